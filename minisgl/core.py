@@ -1,0 +1,227 @@
+"""The records every part of minisgl shares: SamplingParams, Req, Batch and the forward Context."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.kvcache.mha_pool import MHAKVCache
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops. Defaults follow the OpenAI API (temperature 0 is greedy)."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_k: int = -1  # -1 (or 0) turns it off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter and the range it must be in."""
+
+        def bad(name: str, want: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {want}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "it must be an integer >= 1")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "it must be an integer >= 1, or -1 / 0 to turn it off")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "it must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "it must be in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "it must be an integer or None")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", "it must be in [-2, 2]")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", "it must be in [-2, 2]")
+        if not (self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "it must be > 0 (1 turns it off)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "each stop string must be a non-empty string")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def resolved_seed(self) -> int:
+        """The seed a request samples with: the user's, or a fresh random one."""
+        return self.seed if self.seed is not None else random.getrandbits(62)
+
+
+class Req:
+    """One request on the scheduler side.
+
+    Its tokens live in row `table_idx` of the token pool; `[cached_len, device_len)` are the
+    positions this step computes, and `device_len` is where the next sample is written.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_ids: list[int],
+        table_idx: int,
+        cached_len: int,
+        output_len: int,
+        uid: int,
+        sampling_params: SamplingParams,
+        cache_handle: Any,
+        seed: int,
+    ) -> None:
+        self.input_ids = input_ids  # every token the CPU knows: the prompt, then each received sample
+        self.prompt_len = len(input_ids)
+        self.table_idx = table_idx
+        self.cached_len = cached_len
+        self.device_len = len(input_ids)
+        self.max_device_len = len(input_ids) + output_len
+        self.uid = uid
+        self.sampling_params = sampling_params
+        self.cache_handle = cache_handle
+        self.seed = seed
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def remain_len(self) -> int:
+        return self.max_device_len - self.device_len
+
+    @property
+    def can_decode(self) -> bool:
+        return self.remain_len > 0
+
+    @property
+    def output_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    def complete_one(self) -> None:
+        """After a forward step: this step's tokens now have KV, and one more token was sampled."""
+        self.cached_len = self.device_len
+        self.device_len += 1
+
+    def append_host(self, token: int) -> None:
+        self.input_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(uid={self.uid}, table_idx={self.table_idx}, "
+            f"cached_len={self.cached_len}, device_len={self.device_len}, max_device_len={self.max_device_len})"
+        )
+
+
+class ChunkedReq(Req):
+    """A prompt too long for this step's budget: computes [cached_len, device_len) and samples nothing."""
+
+    @property
+    def can_decode(self) -> bool:
+        return False
+
+    def complete_one(self) -> None:
+        self.cached_len = self.device_len
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    phase: Literal["prefill", "decode"]
+    # filled in by the scheduler and the engine before the forward pass
+    input_ids: torch.Tensor = field(init=False)
+    positions: torch.Tensor = field(init=False)
+    out_loc: torch.Tensor = field(init=False)
+    last_indices: torch.Tensor = field(
+        init=False
+    )  # in a prefill, the packed index of each request's last token
+    attn_metadata: Any = field(init=False, default=None)
+    padded_reqs: list[Req] = field(init=False)  # reqs plus dummy rows that pad a CUDA-graph batch
+
+    def __post_init__(self) -> None:
+        self.padded_reqs = self.reqs
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def padded_size(self) -> int:
+        return len(self.padded_reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+
+@dataclass
+class Context:
+    """What a forward pass reads besides its inputs: the KV pool, the page table, the attention backend."""
+
+    page_size: int
+    kv_cache: MHAKVCache
+    page_table: torch.Tensor
+    attn_backend: BaseAttnBackend
+    _batch: Batch | None = None
+
+    @property
+    def batch(self) -> Batch:
+        assert self._batch is not None, "no batch is being forwarded"
+        return self._batch
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[None]:
+        assert self._batch is None, "forward passes do not nest"
+        self._batch = batch
+        try:
+            yield
+        finally:
+            self._batch = None
+
+
+_GLOBAL_CTX: Context | None = None
+
+
+def set_global_ctx(ctx: Context | None) -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = ctx
+
+
+def get_global_ctx() -> Context:
+    assert _GLOBAL_CTX is not None, "the engine has not been built in this process"
+    return _GLOBAL_CTX

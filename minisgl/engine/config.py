@@ -1,0 +1,37 @@
+"""EngineConfig: what the engine needs to build the model, the KV pool and the attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl.distributed import DistributedInfo
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
+    tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
+    dtype: torch.dtype = torch.bfloat16
+    device: str | None = None  # "cpu" or "cuda"; None picks CUDA where there is one
+    max_running_req: int = 256
+    num_page_override: int | None = None
+    max_seq_len_override: int | None = None
+    page_size: int = 1
+    memory_ratio: float = 0.9  # share of free GPU memory the KV pool may take
+    cpu_kv_budget_gib: float = 4.0  # upper bound of the KV pool on a CPU
+    attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None  # None: a default that suits the device; 0 turns graphs off
+    cuda_graph_bs: list[int] | None = None
+    distributed_addr: str = "tcp://127.0.0.1:29517"
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} is invalid: it must be >= 1")
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req={self.max_running_req} is invalid: it must be >= 1")
+        if self.num_page_override is not None and self.num_page_override < 1:
+            raise ValueError(f"num_page_override={self.num_page_override} is invalid: it must be >= 1")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
+            raise ValueError(f"max_seq_len_override={self.max_seq_len_override} is invalid: it must be >= 2")

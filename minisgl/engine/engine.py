@@ -1,0 +1,179 @@
+"""Engine: the model, the paged KV pool, the page table, the attention backend and the sampler of one rank."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention import create_attn_backend
+from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.distributed import set_tp_info
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import GraphRunner
+from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.models import ModelConfig, create_model
+from minisgl.models.weight import iter_safetensors, load_weights
+from minisgl.utils.hf import load_hf_config, resolve_model_path
+from minisgl.utils.logger import init_logger, set_log_rank
+from minisgl.utils.misc import align_up, div_ceil
+from minisgl.utils.torch_utils import CopyDone, create_stream, default_device
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens_gpu: torch.Tensor
+    next_tokens_cpu: torch.Tensor
+    copy_done: CopyDone
+
+    def __iter__(self):  # unpacks as (gpu, cpu, copy_done), as the scheduler reads it
+        return iter((self.next_tokens_gpu, self.next_tokens_cpu, self.copy_done))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device) if config.device else default_device()
+        self.tp_info = config.tp_info
+        set_tp_info(config.tp_info)
+        set_log_rank(config.tp_info.rank)
+        self.tp_cpu_group = self._init_distributed()
+        self.stream = create_stream(self.device)
+
+        self.model_dir = resolve_model_path(config.model_path)
+        self.hf_config = load_hf_config(self.model_dir)
+        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.max_seq_len = self._max_seq_len()
+        self.model_config.max_position_embeddings = self.max_seq_len  # the rotary table needs no more
+        self.model = self._build_model()
+
+        mc = self.model_config
+        self.page_size = config.page_size
+        self.num_pages = self._num_pages()
+        self.kv_cache = MHAKVCache(
+            mc.num_layers,
+            self.num_pages,
+            self.page_size,
+            mc.num_kv_heads // self.tp_info.size,
+            mc.head_dim,
+            config.dtype,
+            self.device,
+        )
+        # one row per running request, plus a last row for the dummy requests that pad CUDA-graph batches
+        # rows hold whole pages, so the width is rounded up to a page
+        self.page_table = torch.zeros(
+            (config.max_running_req + 1, align_up(self.max_seq_len, self.page_size)),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.attn_backend = create_attn_backend(
+            config.attention_backend, self.kv_cache, self.page_table, self.device
+        )
+        self.ctx = Context(self.page_size, self.kv_cache, self.page_table, self.attn_backend)
+        set_global_ctx(self.ctx)
+        self.sampler = Sampler(self.device, mc.vocab_size)
+        graph_bs = config.cuda_graph_max_bs
+        if graph_bs is None:
+            graph_bs = min(256, config.max_running_req)
+        self.graph_runner = GraphRunner(
+            self.device,
+            min(graph_bs, config.max_running_req),
+            config.cuda_graph_bs,
+            self.attn_backend,
+            self.model.forward,
+            config.max_running_req,
+            self.max_seq_len,
+            mc.vocab_size,
+        )
+        logger.info_rank0(
+            f"engine ready: {mc.architecture} on {self.device}, {config.dtype}, "
+            f"{self.num_pages} KV pages of {self.page_size}, max_seq_len {self.max_seq_len}"
+        )
+
+    def _init_distributed(self) -> object | None:
+        info = self.config.tp_info
+        if info.size == 1:
+            return None
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(info.rank)
+            self.device = torch.device("cuda", info.rank)
+        dist.init_process_group(
+            backend, init_method=self.config.distributed_addr, rank=info.rank, world_size=info.size
+        )
+        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+    def _max_seq_len(self) -> int:
+        mc = self.model_config
+        limit = self.config.max_seq_len_override or mc.max_position_embeddings
+        if mc.sliding_window:
+            # beyond the window the model attends differently; serving no more keeps every answer exact
+            limit = min(limit, mc.sliding_window)
+        return limit
+
+    def _build_model(self) -> torch.nn.Module:
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(self.config.dtype)
+        try:
+            with torch.device(self.device):
+                model = create_model(self.model_config)
+        finally:
+            torch.set_default_dtype(old)
+        load_weights(model, iter_safetensors(self.model_dir))
+        return model.eval()
+
+    def _num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_page_override is not None:
+            return cfg.num_page_override
+        per_page = MHAKVCache.bytes_per_page(
+            mc.num_layers, cfg.page_size, mc.num_kv_heads // self.tp_info.size, mc.head_dim, cfg.dtype
+        )
+        wanted = div_ceil(cfg.max_running_req * self.max_seq_len, cfg.page_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.memory_ratio) - (2 << 30)  # room for activations and graphs
+        else:
+            budget = int(cfg.cpu_kv_budget_gib * (1 << 30))
+        pages = min(wanted, max(budget, 0) // per_page)
+        if pages < div_ceil(self.max_seq_len, cfg.page_size) // 8 and pages < wanted:
+            logger.warning_rank0(f"only {pages} KV pages fit in memory; long prompts will be refused")
+        if pages < 1:
+            raise RuntimeError(
+                "no memory is left for the KV cache; lower max_running_req or pass num_page_override"
+            )
+        return pages
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        with self.ctx.forward_batch(batch):
+            if self.graph_runner.can_use(batch):
+                logits = self.graph_runner.replay(batch)
+            else:
+                logits = self.model.forward()
+        for req in batch.reqs:
+            req.complete_one()
+        next_tokens = self.sampler.sample(logits[: batch.size], args)
+        next_cpu = next_tokens.to("cpu", non_blocking=self.device.type == "cuda")
+        return ForwardOutput(next_tokens, next_cpu, CopyDone(self.device))
+
+    def shutdown(self) -> None:
+        set_global_ctx(None)
+        if self.tp_info.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        for name in ("model", "kv_cache", "page_table", "attn_backend", "ctx", "graph_runner"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,163 @@
+"""Sampling the next token of every request of a batch, on the device, in one pass.
+
+Randomness comes from a counter-based hash of (request seed, position, token id), not from a
+generator's state: the same seed gives the same tokens whatever else shares the batch, and the
+step has no hidden state to carry (which also keeps it graph- and overlap-friendly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.utils.torch_utils import pin
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers, as signed int64
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise of shape [B, V], a pure function of (seed, step, token id)."""
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    x = (seeds * _GOLDEN + steps * _M2)[:, None] + vocab[None, :] * _M1
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class BatchSamplingArgs:
+    greedy: bool  # every request greedy and unpenalised: a plain argmax
+    temperatures: torch.Tensor | None = None  # [B, 1]; 0 rows are greedy
+    top_k: torch.Tensor | None = None  # [B]; vocab size where off
+    top_p: torch.Tensor | None = None  # [B]
+    min_p: torch.Tensor | None = None  # [B]
+    seeds: torch.Tensor | None = None  # [B] int64
+    steps: torch.Tensor | None = None  # [B] int64
+    penalty: PenaltyArgs | None = None
+
+
+@dataclass
+class PenaltyArgs:
+    tokens: torch.Tensor  # [B, L] every token of the request so far, padded with 0
+    is_output: torch.Tensor  # [B, L] bool: a generated token (not prompt, not padding)
+    is_token: torch.Tensor  # [B, L] bool: not padding
+    presence: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    repetition: torch.Tensor  # [B, 1]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+
+    def _to(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=pin(self.device)).to(
+            self.device, non_blocking=True
+        )
+
+    def prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
+        """Sampling arguments of the batch; `token_pool` holds every request's tokens (for penalties)."""
+        reqs = batch.reqs
+        params = [r.sampling_params for r in reqs]
+        penalised = any(p.has_penalty for p in params)
+        if all(p.is_greedy for p in params) and not penalised:
+            return BatchSamplingArgs(greedy=True)
+        v = self.vocab_size
+        args = BatchSamplingArgs(
+            greedy=False,
+            temperatures=self._to(
+                [[p.temperature if not p.is_greedy else 0.0] for p in params], torch.float32
+            ),
+            seeds=self._to([r.seed for r in reqs], torch.int64),
+            steps=self._to([r.device_len for r in reqs], torch.int64),
+        )
+        if any(0 < p.top_k < v for p in params):
+            args.top_k = self._to([p.top_k if 0 < p.top_k < v else v for p in params], torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            args.top_p = self._to([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            args.min_p = self._to([p.min_p for p in params], torch.float32)
+        if penalised:
+            args.penalty = self._prepare_penalty(batch, token_pool)
+        return args
+
+    def _prepare_penalty(self, batch: Batch, token_pool: torch.Tensor) -> PenaltyArgs:
+        reqs = batch.reqs
+        # at sampling time the request's known tokens are the pool row up to device_len (the inputs of this step)
+        lens = [r.device_len for r in reqs]
+        width = max(lens)
+        pos = torch.arange(width, device=self.device)
+        rows = self._to([r.table_idx for r in reqs], torch.int64)
+        len_t = self._to(lens, torch.int64)
+        prompt_t = self._to([r.prompt_len for r in reqs], torch.int64)
+        is_token = pos[None, :] < len_t[:, None]
+        params = [r.sampling_params for r in reqs]
+        return PenaltyArgs(
+            tokens=torch.where(is_token, token_pool[rows, :width].to(torch.int64), 0),
+            is_output=is_token & (pos[None, :] >= prompt_t[:, None]),
+            is_token=is_token,
+            presence=self._to([[p.presence_penalty] for p in params], torch.float32),
+            frequency=self._to([[p.frequency_penalty] for p in params], torch.float32),
+            repetition=self._to([[p.repetition_penalty] for p in params], torch.float32),
+        )
+
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        """logits: [B, V] float32 -> next token ids [B] int32."""
+        if args.greedy:
+            return torch.argmax(logits, dim=-1).to(torch.int32)
+        if args.penalty is not None:
+            logits = apply_penalties(logits, args.penalty)
+        greedy_tokens = torch.argmax(logits, dim=-1)
+        assert args.temperatures is not None and args.seeds is not None and args.steps is not None
+        temps = args.temperatures
+        logits = logits / torch.where(temps > 0, temps, 1.0)
+        logits = filter_logits(logits, args.top_k, args.top_p, args.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
+        noise = -torch.log(hash_uniform(args.seeds, args.steps, logits.shape[-1]))
+        sampled = torch.argmax(probs / noise, dim=-1)
+        return torch.where(temps[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over generated tokens; repetition penalty (HF style) over all."""
+    counts = torch.zeros_like(logits).scatter_add_(1, pen.tokens, pen.is_output.to(logits.dtype))
+    seen = torch.zeros_like(logits).scatter_add_(1, pen.tokens, pen.is_token.to(logits.dtype)) > 0
+    logits = logits - pen.frequency * counts - pen.presence * (counts > 0).to(logits.dtype)
+    rep = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
+    return torch.where(seen, rep, logits)
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, top-p nucleus and min-p floor."""
+    neg_inf = torch.finfo(logits.dtype).min
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < floor, neg_inf)
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep a token while the mass before it is below top_p: the first token always stays
+        drop |= (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, neg_inf))

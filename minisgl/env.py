@@ -1,0 +1,72 @@
+"""ENV: every environment switch of minisgl in one place, read from MINISGL_* variables.
+
+Each switch is an object with a mutable `.value`, so tests and examples can flip it in code
+(`ENV.DISABLE_OVERLAP_SCHEDULING.value = True`) as well as from the shell.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+@dataclass
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    help: str
+    value: T = field(init=False)
+
+    def __post_init__(self) -> None:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            self.value = self.default
+        elif isinstance(self.default, bool):
+            self.value = _parse_bool(self.name, raw)  # type: ignore[assignment]
+        elif isinstance(self.default, int):
+            self.value = int(raw)  # type: ignore[assignment]
+        else:
+            self.value = raw  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+
+class _Env:
+    def __init__(self) -> None:
+        self.DISABLE_OVERLAP_SCHEDULING = EnvVar(
+            "MINISGL_DISABLE_OVERLAP_SCHEDULING", False, "run the plain loop even on CUDA"
+        )
+        self.DEBUG_CHECK_INTEGRITY = EnvVar(
+            "MINISGL_DEBUG_CHECK_INTEGRITY", False, "assert the KV page accounting after every step"
+        )
+        self.LOG_LEVEL = EnvVar("MINISGL_LOG_LEVEL", "INFO", "logging level of the minisgl logger")
+        self.CACHE_DIR = EnvVar(
+            "MINISGL_CACHE_DIR",
+            os.path.join(os.path.expanduser("~"), ".cache", "minisgl"),
+            "where converted GGUF checkpoints are kept",
+        )
+        self.CPU_THREADS = EnvVar(
+            "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
+        )
+
+    def describe(self) -> str:
+        return "\n".join(f"{v.name}={v.value!r}  # {v.help}" for v in vars(self).values())
+
+
+ENV = _Env()

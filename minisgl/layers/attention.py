@@ -1,0 +1,52 @@
+"""The attention layer of a decoder: qkv projection, optional per-head q/k norm, rotary, paged attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.core import get_global_ctx
+from minisgl.distributed import get_tp_info
+from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        tp = get_tp_info().size
+        if config.num_qo_heads % tp or config.num_kv_heads % tp:
+            raise ValueError(
+                f"{config.num_qo_heads} query / {config.num_kv_heads} KV heads do not split over {tp} ranks; "
+                "choose a tensor-parallel size that divides both"
+            )
+        d = config.head_dim
+        self.layer_id = layer_id
+        self.head_dim = d
+        self.num_qo_heads = config.num_qo_heads // tp
+        self.num_kv_heads = config.num_kv_heads // tp
+        self.qkv_proj = LinearColParallelMerged(
+            config.hidden_size,
+            [config.num_qo_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
+            bias=config.attention_bias,
+        )
+        self.o_proj = LinearRowParallel(config.num_qo_heads * d, config.hidden_size)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = get_global_ctx()
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_qo_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        return self.o_proj(out.reshape(-1, q_size))

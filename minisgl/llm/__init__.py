@@ -1,0 +1,3 @@
+from minisgl.llm.llm import LLM, RequestAllFinished
+
+__all__ = ["LLM", "RequestAllFinished"]

@@ -1,0 +1,182 @@
+"""LLM: the offline interface, a Scheduler that takes its requests from a list and keeps its results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.distributed import DistributedInfo
+from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.utils.torch_utils import parse_dtype
+
+Prompt = str | list[int]
+
+
+class RequestAllFinished(Exception):
+    """Raised from receive_msg when every request has its answer: it ends run_forever."""
+
+
+@dataclass
+class RequestStatus:
+    uid: int
+    input_ids: list[int]
+    output_ids: list[int]
+    sampling_params: SamplingParams | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Pending:
+    prompt: Prompt
+    sampling_params: SamplingParams
+    uid: int
+    input_ids: list[int] = field(default_factory=list)
+
+
+class LLM(Scheduler):
+    """The offline inference interface: no processes at all, reusing the scheduler's main loop directly.
+
+    It overrides the scheduler's two IO methods: receive_msg takes requests from the pending list
+    (feeding them in within the prefill budget) and send_result records the generated tokens. Once
+    everything is done and the scheduler would block for a new message, RequestAllFinished breaks
+    out of run_forever.
+    """
+
+    def __init__(
+        self, model_path: str | None = None, dtype: torch.dtype | str = torch.bfloat16, **kwargs: Any
+    ):
+        config = SchedulerConfig(
+            model_path=model_path,
+            tp_info=DistributedInfo(0, 1),
+            dtype=parse_dtype(dtype),
+            offline_mode=True,
+            **kwargs,
+        )
+        super().__init__(config)
+        self.pending_requests: list[_Pending] = []
+        self.status_map: dict[int, RequestStatus] = {}
+        self.counter = 0
+        self._abort_queue: list[int] = []
+
+    def _tokenize_one(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def offline_receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
+        results: list[BaseBackendMsg] = [AbortBackendMsg(uid) for uid in self._abort_queue]
+        self._abort_queue.clear()
+        if blocking and not self.pending_requests and not results:
+            raise RequestAllFinished()
+        added = total_len = 0
+        for pending in self.pending_requests:
+            if total_len >= self.prefill_budget:
+                break
+            total_len += len(pending.input_ids)
+            added += 1
+            results.append(
+                UserMsg(uid=pending.uid, input_ids=pending.input_ids, sampling_params=pending.sampling_params)
+            )
+        self.pending_requests = self.pending_requests[added:]
+        return results
+
+    def offline_send_result(self, reply: list[DetokenizeMsg]) -> None:
+        for msg in reply:
+            status = self.status_map[msg.uid]
+            if msg.prompt_tokens:
+                status.cached_tokens = msg.cached_tokens
+            # EOS and stop token ids end the request but are not part of its output, as in the OpenAI API
+            if msg.next_token >= 0 and not (
+                msg.finished and msg.finish_reason == "stop" and self._is_stop_token(msg)
+            ):
+                status.output_ids.append(msg.next_token)
+            if msg.finished:
+                status.finish_reason = msg.finish_reason
+                status.error = msg.error
+
+    def _is_stop_token(self, msg: DetokenizeMsg) -> bool:
+        params = self.status_map[msg.uid].sampling_params
+        assert params is not None
+        return msg.next_token in params.stop_token_ids or (
+            not params.ignore_eos and msg.next_token in self.eos_token_ids
+        )
+
+    def abort(self, uid: int) -> None:
+        """Abort request `uid` of the running generate call (from a callback or another thread)."""
+        self._abort_queue.append(uid)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling_params: list[SamplingParams] | SamplingParams | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate for every prompt; each output has text, token_ids, finish_reason and error.
+
+        Invalid sampling parameters raise ValueError before anything is scheduled. A prompt the model
+        cannot take gets finish_reason "error" and a message, while the others complete.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(sampling_params)} sampling_params; pass one or one each"
+            )
+        for sp in sampling_params:
+            sp.validate()
+        self.pending_requests, self.status_map, self.counter = [], {}, 0
+        for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            # copy it every time: the scheduler may change max_tokens
+            params = SamplingParams(**vars(sp))
+            input_ids = self._tokenize_one(prompt)
+            self.pending_requests.append(_Pending(prompt, params, uid, input_ids))
+            self.status_map[uid] = RequestStatus(uid, input_ids, [], params)
+        self.counter = len(prompts)
+        try:
+            self.run_forever()
+        except RequestAllFinished:
+            pass
+        return [self._output(self.status_map[i]) for i in range(len(prompts))]
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, str]]],
+        sampling_params: list[SamplingParams] | SamplingParams | None = None,
+    ) -> list[dict[str, Any]]:
+        """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _output(self, status: RequestStatus) -> dict[str, Any]:
+        text = self.tokenizer.decode(status.output_ids, skip_special_tokens=True)
+        params = status.sampling_params
+        if params is not None and params.stop and status.finish_reason == "stop":
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return {
+            "text": text,
+            "token_ids": list(status.output_ids),
+            "finish_reason": status.finish_reason,
+            "error": status.error,
+            "prompt_tokens": len(status.input_ids),
+            "cached_tokens": status.cached_tokens,
+        }

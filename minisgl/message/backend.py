@@ -1,0 +1,34 @@
+"""Messages into the scheduler (from the tokenizer worker, or from LLM in offline mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.core import SamplingParams
+
+
+@dataclass
+class BaseBackendMsg:
+    pass
+
+
+@dataclass
+class UserMsg(BaseBackendMsg):
+    uid: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class AbortBackendMsg(BaseBackendMsg):
+    uid: int
+
+
+@dataclass
+class ExitMsg(BaseBackendMsg):
+    pass
+
+
+@dataclass
+class BatchBackendMsg(BaseBackendMsg):
+    data: list[BaseBackendMsg] = field(default_factory=list)

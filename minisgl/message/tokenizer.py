@@ -1,0 +1,16 @@
+"""Messages out of the scheduler, to the detokenizer (or to LLM in offline mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DetokenizeMsg:
+    uid: int
+    next_token: int  # -1 when the request ends without a new token (error, abort)
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    error: str | None = None  # what the user should change, for finish_reason "error"
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (sent with the first token)
+    prompt_tokens: int = 0

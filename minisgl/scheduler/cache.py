@@ -1,0 +1,184 @@
+"""CacheManager: KV page allocation and release, and the scheduler's face of the prefix cache.
+
+Every page is in exactly one place: the free list, the prefix cache, or private to one running
+request (the pages of its row that the cache does not own). `check_integrity` asserts that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minisgl.core import Req
+from minisgl.kvcache.base import BasePrefixCache, MatchResult, NaivePrefixCache
+from minisgl.utils.misc import div_ceil
+
+
+def create_prefix_cache(cache_type: str, page_size: int) -> BasePrefixCache:
+    if cache_type == "naive":
+        return NaivePrefixCache()
+    if cache_type == "radix":
+        from minisgl.kvcache.radix import RadixPrefixCache
+
+        return RadixPrefixCache(page_size)
+    raise ValueError(f"cache_type={cache_type!r} is unknown; use 'radix' or 'naive'")
+
+
+@dataclass
+class RowPages:
+    """The KV pages of one table row, in position order; the first `shared` belong to the prefix cache."""
+
+    pages: list[int] = field(default_factory=list)
+    shared: int = 0
+
+
+class CacheManager:
+    def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor, cache_type: str) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.page_table = page_table
+        self.device = page_table.device
+        self.cache_type = cache_type
+        self.prefix_cache = create_prefix_cache(cache_type, page_size)
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # popped from the end: page 0 first
+        self.rows: dict[int, RowPages] = {}
+        self._lazy_depth = 0
+        self._lazy_freed: list[int] = []
+        self._offsets = torch.arange(page_size, dtype=torch.int32)
+
+    # ---- admission -------------------------------------------------------------------------
+    @property
+    def available_size(self) -> int:
+        """Tokens of KV that could be handed out now: free pages plus what eviction could free."""
+        return (len(self.free_pages) + self.prefix_cache.evictable_pages) * self.page_size
+
+    def match_req(self, input_ids: list[int]) -> MatchResult:
+        # the last prompt token is always computed: its logits give the first output token
+        return self.prefix_cache.match_prefix(input_ids[:-1])
+
+    def lock(self, handle: Any) -> None:
+        self.prefix_cache.lock(handle)
+
+    def unlock(self, handle: Any) -> None:
+        self.prefix_cache.unlock(handle)
+
+    def attach_prefix(self, table_idx: int, match: MatchResult) -> None:
+        """A newly admitted request starts with the matched pages of the cache in its row."""
+        self.rows[table_idx] = RowPages(list(match.pages), len(match.pages))
+        if match.pages:
+            self._write_rows([(table_idx, i, p) for i, p in enumerate(match.pages)])
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_paged(self, reqs: list[Req]) -> None:
+        """Give every request pages for the positions it computes this step, [cached_len, device_len)."""
+        writes: list[tuple[int, int, int]] = []
+        for req in reqs:
+            row = self.rows[req.table_idx]
+            first, last = div_ceil(req.cached_len, self.page_size), div_ceil(req.device_len, self.page_size)
+            assert first >= len(row.pages) or last <= len(row.pages), "pages are allocated in order"
+            for index in range(len(row.pages), last):
+                page = self._take_page()
+                row.pages.append(page)
+                writes.append((req.table_idx, index, page))
+        if writes:
+            self._write_rows(writes)
+
+    def _take_page(self) -> int:
+        if not self.free_pages:
+            self.free_pages.extend(self.prefix_cache.evict(max(1, self.num_pages // 64)))
+        if not self.free_pages:
+            raise RuntimeError("KV pool exhausted: admission control let in more than fits (a bug)")
+        return self.free_pages.pop()
+
+    def _write_rows(self, writes: list[tuple[int, int, int]]) -> None:
+        """page_table[row, index*page_size + o] = page*page_size + o for each (row, index, page)."""
+        ps = self.page_size
+        rows = torch.tensor([w[0] for w in writes], dtype=torch.int64).repeat_interleave(ps)
+        cols = (
+            torch.tensor([w[1] for w in writes], dtype=torch.int64)[:, None] * ps + self._offsets
+        ).reshape(-1)
+        slots = (
+            torch.tensor([w[2] for w in writes], dtype=torch.int32)[:, None] * ps + self._offsets
+        ).reshape(-1)
+        dev = self.device
+        self.page_table[rows.to(dev), cols.to(dev)] = slots.to(dev)
+
+    # ---- release ---------------------------------------------------------------------------
+    @contextmanager
+    def lazy_free_region(self) -> Iterator[None]:
+        """Pages freed inside go back to the free list together at the end."""
+        self._lazy_depth += 1
+        try:
+            yield
+        finally:
+            self._lazy_depth -= 1
+            if self._lazy_depth == 0 and self._lazy_freed:
+                self.free_pages.extend(self._lazy_freed)
+                self._lazy_freed.clear()
+
+    def _free(self, pages: list[int]) -> None:
+        (self._lazy_freed if self._lazy_depth else self.free_pages).extend(pages)
+
+    def cache_req(self, req: Req, finished: bool) -> None:
+        """Hand the request's computed KV to the prefix cache; a finished request also gives up its row."""
+        row = self.rows[req.table_idx]
+        if self.cache_type != "naive":
+            self._insert(req, row)
+        if finished:
+            self.unlock(req.cache_handle)
+            req.cache_handle = None
+            self._free(row.pages[row.shared :])
+            del self.rows[req.table_idx]
+
+    def _insert(self, req: Req, row: RowPages) -> None:
+        # KV is valid for every known token but the last received one, which no step has consumed yet
+        kv_len = min(len(req.input_ids) - 1, req.cached_len)
+        num = kv_len // self.page_size
+        if num <= row.shared:
+            return
+        tokens = req.input_ids[: num * self.page_size]
+        known = self.prefix_cache.insert_prefix(tokens, row.pages[:num]) // self.page_size
+        # pages of ours the cache already had from another request: use its copy, free ours
+        duplicates = row.pages[row.shared : known]
+        match = self.prefix_cache.match_prefix(tokens)
+        assert match.length == num * self.page_size, "an inserted prefix must match whole"
+        self.lock(match.handle)
+        self.unlock(req.cache_handle)
+        req.cache_handle = match.handle
+        if duplicates:
+            self._write_rows(
+                [(req.table_idx, i, p) for i, p in enumerate(match.pages[:known]) if i >= row.shared]
+            )
+            self._free(duplicates)
+        row.pages[:num] = match.pages
+        row.shared = num
+
+    def free_req(self, req: Req) -> None:
+        """An aborted request gives everything back, computed KV included (nothing is cached)."""
+        row = self.rows.pop(req.table_idx, None)
+        self.unlock(req.cache_handle)
+        req.cache_handle = None
+        if row is not None:
+            self._free(row.pages[row.shared :])
+
+    # ---- accounting ------------------------------------------------------------------------
+    def private_pages(self) -> int:
+        return sum(len(r.pages) - r.shared for r in self.rows.values())
+
+    def check_integrity(self) -> None:
+        free = len(self.free_pages) + len(self._lazy_freed)
+        cached = self.prefix_cache.total_pages
+        held = self.private_pages()
+        if free + cached + held != self.num_pages:
+            raise AssertionError(
+                f"KV page accounting broken: {free} free + {cached} cached + {held} held != {self.num_pages}"
+            )
+        owned = list(self.free_pages) + list(self._lazy_freed)
+        for r in self.rows.values():
+            owned += r.pages[r.shared :]
+        if len(set(owned)) != len(owned):
+            raise AssertionError("a KV page is free and held, or held twice")

@@ -1,0 +1,24 @@
+"""SchedulerConfig: the engine's options plus the scheduler's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.engine.config import EngineConfig
+
+
+@dataclass
+class SchedulerConfig(EngineConfig):
+    cache_type: str = "radix"
+    max_extend_tokens: int = 8192  # the prefill budget: prompt tokens computed in one step
+    offline_mode: bool = False
+    zmq_backend_addr: str = ""  # where rank 0 receives requests (online mode)
+    zmq_detokenizer_addr: str = ""  # where rank 0 sends DetokenizeMsg replies (online mode)
+    zmq_broadcast_addr: str = ""  # where rank 0 forwards requests to the other ranks
+
+    def validate(self) -> None:
+        super().validate()
+        if self.cache_type not in ("radix", "naive"):
+            raise ValueError(f"cache_type={self.cache_type!r} is unknown; use 'radix' or 'naive'")
+        if self.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens={self.max_extend_tokens} is invalid: it must be >= 1")

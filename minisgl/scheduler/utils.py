@@ -1,0 +1,38 @@
+"""Records the scheduler keeps between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.core import ChunkedReq, SamplingParams
+
+
+@dataclass
+class PendingReq:
+    """A request waiting for prefill; `chunked_req` is set while its prompt is being prefilled in chunks."""
+
+    uid: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    chunked_req: ChunkedReq | None = None
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def output_len(self) -> int:
+        return self.sampling_params.max_tokens
+
+
+@dataclass
+class CacheStats:
+    """Prompt tokens served from the prefix cache versus computed, since the scheduler started."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens

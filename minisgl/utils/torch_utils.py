@@ -1,0 +1,67 @@
+"""Device, stream and dtype helpers that hide the CPU/CUDA difference from the rest of the code."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def pin(device: torch.device) -> bool:
+    """Pinned host memory makes host-to-device copies asynchronous; it only exists beside CUDA."""
+    return device.type == "cuda"
+
+
+def create_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def stream_ctx(stream: Any) -> ContextManager:
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def set_stream(stream: Any) -> None:
+    if stream is not None:
+        torch.cuda.set_stream(stream)
+
+
+class CopyDone:
+    """Marks when a device-to-host copy has landed; on the CPU it is always done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        if self.event is not None:
+            self.event.record()
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,97 @@
+"""Tiny random checkpoints built at test time, and transformers' greedy tokens as the reference."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+VOCAB = 320
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "List three prime numbers: 2, 3, 5. def fibonacci(n): return n if n < 2 else fibonacci(n - 1)",
+    "Once upon a time, there was a small engine that served many requests at once.",
+    "1 + 1 = 2, 2 + 2 = 4; hello world! <|im_start|> <|im_end|>",
+]
+
+
+def build_tokenizer(folder: str) -> Any:
+    """A byte-level BPE tokenizer with a chat template, trained on a few sentences (no hub needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random model of `arch` (llama, qwen2, qwen3, mistral) with a tokenizer into `folder`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    tok = build_tokenizer(folder)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = classes[arch](**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is small; widen it so greedy tokens are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, one prompt at a time, never stopping early."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        out.append(y[0, len(ids) :].tolist())
+    return out
