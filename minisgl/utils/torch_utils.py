@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
