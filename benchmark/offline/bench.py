@@ -1,0 +1,173 @@
+"""Offline throughput: minisgl against transformers on the same weights and requests, in one run.
+
+The workload is the upstream one (mini-sglang's and nano-vllm's bench.py): random token prompts,
+input and output lengths uniform in [min_len, max_len], random.seed(0), ignore_eos. Defaults are
+the full workload (256 requests, [100, 1024]); scale it down on a CPU, e.g.
+    python benchmark/offline/bench.py --num-requests 64 --min-len 32 --max-len 256
+The peer on CPU is transformers' static batched `generate` (float32 and bf16); on CUDA it is
+transformers' continuous batching (benchmark/offline/peer_cuda.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(num: int, lo: int, hi: int, vocab: int, seed: int) -> Workload:
+    random.seed(seed)
+    top = min(10000, vocab - 1)
+    prompts = [[random.randint(0, top) for _ in range(random.randint(lo, hi))] for _ in range(num)]
+    output_lens = [random.randint(lo, hi) for _ in range(num)]
+    return Workload(prompts, output_lens)
+
+
+def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
+    from minisgl import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_running_req=args.max_running_req,
+        cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
+        max_seq_len_override=max(2 * args.max_len + 8, 64),
+    )
+    params = [
+        SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True, seed=i)
+        for i, n in enumerate(work.output_lens)
+    ]
+    llm.generate([p[:16] for p in work.prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(work.prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o["token_ids"]) for o in outputs)
+    assert produced == work.output_tokens, f"minisgl produced {produced} tokens, expected {work.output_tokens}"
+    model_dir = llm.engine.model_dir
+    llm.shutdown()
+    return Result(f"minisgl ({args.dtype})", elapsed, produced), model_dir
+
+
+def run_hf_static(model_dir: str, work: Workload, dtype: torch.dtype, batch: int, temperature: float) -> Result:
+    """transformers `generate` over batches of `batch` requests, left-padded; each batch runs to its longest output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    order = sorted(range(len(work.prompts)), key=lambda i: len(work.prompts[i]))  # less padding: a fair peer
+    start = time.perf_counter()
+    for b in range(0, len(order), batch):
+        idx = order[b : b + batch]
+        width = max(len(work.prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            p = work.prompts[i]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(work.output_lens[i] for i in idx)
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0, **sample
+            )
+    elapsed = time.perf_counter() - start
+    name = f"transformers generate ({str(dtype).removeprefix('torch.')}, batch {batch})"
+    return Result(name, elapsed, work.output_tokens)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-running-req", type=int, default=256)
+    p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
+    p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
+    p.add_argument("--peer-batch", type=int, default=0, help="CPU peer batch size (0: all requests at once)")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = device
+
+    from minisgl.models.config import ModelConfig
+    from minisgl.utils.hf import load_hf_config, resolve_model_path
+
+    vocab = ModelConfig.from_hf(load_hf_config(resolve_model_path(args.model))).vocab_size
+    work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
+    print(
+        f"workload: {len(work.prompts)} requests, lengths U[{args.min_len}, {args.max_len}], seed {args.seed}: "
+        f"{work.input_tokens} prompt tokens, {work.output_tokens} output tokens; device {device}"
+    )
+    results: list[Result] = []
+    ours, model_dir = run_minisgl(args, work)
+    results.append(ours)
+    print(f"{ours.name:<48} {ours.seconds:8.2f} s {ours.tokens_per_s:10.1f} output tok/s", flush=True)
+    if args.peer != "none":
+        if device == "cuda":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from peer_cuda import run_peer
+
+            seconds = run_peer(model_dir, work.prompts, work.output_lens, args.temperature)
+            results.append(Result("transformers generate_batch (bf16, paged)", seconds, work.output_tokens))
+        else:
+            for name in args.peer_dtypes.split(","):
+                dtype = torch.float32 if name == "float32" else torch.bfloat16
+                batch = args.peer_batch or len(work.prompts)
+                results.append(run_hf_static(model_dir, work, dtype, batch, args.temperature))
+                r = results[-1]
+                print(f"{r.name:<48} {r.seconds:8.2f} s {r.tokens_per_s:10.1f} output tok/s", flush=True)
+        best = max(results[1:], key=lambda r: r.tokens_per_s)
+        print(f"minisgl / best peer ({best.name}): {ours.tokens_per_s / best.tokens_per_s:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "input_tokens": work.input_tokens,
+                    "output_tokens": work.output_tokens,
+                    "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
