@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+import random
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from minisgl.llm import LLM
 
 VOCAB = 320
 CORPUS = [
@@ -42,6 +46,30 @@ def build_tokenizer(folder: str) -> Any:
     return fast
 
 
+# name -> (architecture, config overrides): every shape of model the tests check against transformers
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),  # 4 query heads share 2 KV heads (GQA), untied LM head
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-head-dim": ("llama", dict(head_dim=32)),  # head_dim 32, not hidden 64 / 4 heads
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases
+    "qwen3": ("qwen3", dict(head_dim=16)),  # RMSNorm over each q/k head
+    "qwen3-mqa-head-dim": ("qwen3", dict(head_dim=24, num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(head_dim=8)),
+}
+
+
+def build_variant(folder: str, name: str) -> str:
+    """Save the tiny model VARIANTS[name] into `folder`."""
+    arch, overrides = VARIANTS[name]
+    return build_model(folder, arch, **overrides)
+
+
+def random_prompts(n: int, seed: int = 0, min_len: int = 1, max_len: int = 40) -> list[list[int]]:
+    """`n` prompts of random token ids (no special tokens), of lengths spread over [min_len, max_len]."""
+    gen = random.Random(seed)
+    return [[gen.randrange(3, VOCAB - 20) for _ in range(gen.randint(min_len, max_len))] for _ in range(n)]
+
+
 def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
     """Save a tiny random model of `arch` (llama, qwen2, qwen3, mistral) with a tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -68,10 +96,14 @@ def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: An
     config = classes[arch](**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random init is small; widen it so greedy tokens are not near-ties
-        for p in model.parameters():
-            if p.dim() > 1:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:  # random init is small; widen it so greedy tokens are not near-ties
                 p.normal_(0, 0.2)
+            elif name.endswith("bias"):  # zero at init, which would hide a bias that is never added
+                p.normal_(0, 0.2)
+            else:  # norm weights are ones at init, which would hide a norm read from the wrong place
+                p.normal_(1, 0.1)
     model.save_pretrained(folder)
     return folder
 
@@ -95,3 +127,9 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int) -> lis
         )
         out.append(y[0, len(ids) :].tolist())
     return out
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    """After a generate call every table row is free again and every KV page is free or cached."""
+    assert llm.table_manager.available_size == llm.table_manager.max_running_req
+    llm.check_integrity()

@@ -68,6 +68,8 @@ class TorchAttnBackend(BaseAttnBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         meta: TorchAttnMetadata = batch.attn_metadata
+        out_dtype, kv_dtype = q.dtype, self.kv_cache.k_buffer.dtype
+        q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         bs, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
         num_q, num_kv, d = q.shape[1], k.shape[1], q.shape[2]
@@ -80,6 +82,6 @@ class TorchAttnBackend(BaseAttnBackend):
             q_pad, k_all, v_all, attn_mask=meta.mask, enable_gqa=num_q != num_kv
         )
         out = out.transpose(1, 2).reshape(bs * max_q, num_q, d)
-        if max_q == 1:
-            return out
-        return out[meta.q_valid]
+        if max_q > 1:
+            out = out[meta.q_valid]
+        return out.to(out_dtype)

@@ -14,6 +14,8 @@ class EngineConfig:
     model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
     tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
     dtype: torch.dtype = torch.bfloat16
+    # None: the model dtype on CUDA; float32 on a CPU, where half-precision attention kernels are several times slower
+    kv_cache_dtype: torch.dtype | None = None
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA where there is one
     max_running_req: int = 256
     num_page_override: int | None = None

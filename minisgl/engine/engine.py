@@ -54,6 +54,7 @@ class Engine:
 
         mc = self.model_config
         self.page_size = config.page_size
+        self.kv_dtype = config.kv_cache_dtype or (config.dtype if self.device.type == "cuda" else torch.float32)
         self.num_pages = self._num_pages()
         self.kv_cache = MHAKVCache(
             mc.num_layers,
@@ -61,7 +62,7 @@ class Engine:
             self.page_size,
             mc.num_kv_heads // self.tp_info.size,
             mc.head_dim,
-            config.dtype,
+            self.kv_dtype,
             self.device,
         )
         # one row per running request, plus a last row for the dummy requests that pad CUDA-graph batches
@@ -134,7 +135,7 @@ class Engine:
         if cfg.num_page_override is not None:
             return cfg.num_page_override
         per_page = MHAKVCache.bytes_per_page(
-            mc.num_layers, cfg.page_size, mc.num_kv_heads // self.tp_info.size, mc.head_dim, cfg.dtype
+            mc.num_layers, cfg.page_size, mc.num_kv_heads // self.tp_info.size, mc.head_dim, self.kv_dtype
         )
         wanted = div_ceil(cfg.max_running_req * self.max_seq_len, cfg.page_size)
         if self.device.type == "cuda":

@@ -22,10 +22,12 @@ class BasePrefixCache(ABC):
     """
 
     @abstractmethod
-    def match_prefix(self, input_ids: list[int]) -> MatchResult: ...
+    def match_prefix(self, input_ids: list[int]) -> MatchResult:
+        """The longest cached prefix of input_ids, in whole pages. The handle stays valid while locked."""
 
     @abstractmethod
-    def lock(self, handle: Any) -> None: ...
+    def lock(self, handle: Any) -> None:
+        """Keep the matched prefix from eviction (lock(None) does nothing); each lock needs one unlock."""
 
     @abstractmethod
     def unlock(self, handle: Any) -> None: ...
@@ -46,6 +48,10 @@ class BasePrefixCache(ABC):
     @property
     @abstractmethod
     def total_pages(self) -> int: ...
+
+    @abstractmethod
+    def cached_pages(self) -> list[int]:
+        """Every page the cache holds, for integrity checks."""
 
 
 class NaivePrefixCache(BasePrefixCache):
@@ -73,3 +79,6 @@ class NaivePrefixCache(BasePrefixCache):
     @property
     def total_pages(self) -> int:
         return 0
+
+    def cached_pages(self) -> list[int]:
+        return []

@@ -71,8 +71,13 @@ class LLM(Scheduler):
         return [int(t) for t in prompt]
 
     def offline_receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
-        results: list[BaseBackendMsg] = [AbortBackendMsg(uid) for uid in self._abort_queue]
+        aborts = set(self._abort_queue)
         self._abort_queue.clear()
+        # a request not yet handed to the scheduler holds nothing there: it is answered here
+        unsent = aborts & {p.uid for p in self.pending_requests}
+        self.pending_requests = [p for p in self.pending_requests if p.uid not in unsent]
+        self.offline_send_result([DetokenizeMsg(uid, -1, True, "abort") for uid in sorted(unsent)])
+        results: list[BaseBackendMsg] = [AbortBackendMsg(uid) for uid in sorted(aborts - unsent)]
         if blocking and not self.pending_requests and not results:
             raise RequestAllFinished()
         added = total_len = 0
@@ -135,6 +140,7 @@ class LLM(Scheduler):
         for sp in sampling_params:
             sp.validate()
         self.pending_requests, self.status_map, self.counter = [], {}, 0
+        self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             # copy it every time: the scheduler may change max_tokens
             params = SamplingParams(**vars(sp))

@@ -15,7 +15,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.kvcache.base import BasePrefixCache, MatchResult, NaivePrefixCache
-from minisgl.utils.misc import div_ceil
+from minisgl.utils.misc import align_up, div_ceil
 
 
 def create_prefix_cache(cache_type: str, page_size: int) -> BasePrefixCache:
@@ -169,16 +169,35 @@ class CacheManager:
     def private_pages(self) -> int:
         return sum(len(r.pages) - r.shared for r in self.rows.values())
 
+    def room_needed(self, table_idx: int, max_len: int) -> int:
+        """Tokens of KV, in whole pages, that a row still has to take to hold max_len tokens."""
+        return align_up(max_len, self.page_size) - len(self.rows[table_idx].pages) * self.page_size
+
     def check_integrity(self) -> None:
-        free = len(self.free_pages) + len(self._lazy_freed)
-        cached = self.prefix_cache.total_pages
-        held = self.private_pages()
-        if free + cached + held != self.num_pages:
+        """Every page is in exactly one place; rows point at their pages; only running rows hold locks."""
+        free = list(self.free_pages) + list(self._lazy_freed)
+        cached = self.prefix_cache.cached_pages()
+        held = [p for r in self.rows.values() for p in r.pages[r.shared :]]
+        if (
+            len(free) + len(cached) + len(held) != self.num_pages
+            or len(cached) != self.prefix_cache.total_pages
+        ):
             raise AssertionError(
-                f"KV page accounting broken: {free} free + {cached} cached + {held} held != {self.num_pages}"
+                f"KV page accounting broken: {len(free)} free + {len(cached)} cached + {len(held)} held "
+                f"!= {self.num_pages}"
             )
-        owned = list(self.free_pages) + list(self._lazy_freed)
-        for r in self.rows.values():
-            owned += r.pages[r.shared :]
-        if len(set(owned)) != len(owned):
-            raise AssertionError("a KV page is free and held, or held twice")
+        if set(free) | set(cached) | set(held) != set(range(self.num_pages)):
+            raise AssertionError("a KV page is in two places at once, or lost")
+        cached_set = set(cached)
+        shared = {p for r in self.rows.values() for p in r.pages[: r.shared]}
+        if not shared <= cached_set:
+            raise AssertionError("a row shares a page the prefix cache does not hold")
+        # a running row locks exactly its shared pages; any other locked page is a leaked lock
+        locked = self.prefix_cache.total_pages - self.prefix_cache.evictable_pages
+        if locked != len(shared):
+            raise AssertionError(f"{locked} cached pages are locked but running rows share {len(shared)}")
+        ps = self.page_size
+        for idx, r in self.rows.items():
+            first_slots = self.page_table[idx, : len(r.pages) * ps : ps].tolist()
+            if first_slots != [p * ps for p in r.pages]:
+                raise AssertionError(f"page table row {idx} does not point at the pages it holds")

@@ -11,6 +11,7 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import PendingReq
+from minisgl.utils.misc import align_up
 
 
 @dataclass
@@ -36,8 +37,9 @@ class PrefillAdder:
         cm = self.cache_manager
         match = cm.match_req(pending_req.input_ids)
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
-        extend_len = pending_req.input_len - match.length
-        need = extend_len + pending_req.output_len + cm.page_size - 1
+        # whole pages for prompt + max_tokens, as Scheduler._check_user_msg counts them: a request it lets
+        # through always fits once the pool has drained
+        need = align_up(pending_req.input_len + pending_req.output_len, cm.page_size) - match.length
         if cm.available_size < self.reserved_size + need:
             cm.unlock(match.handle)
             return None
@@ -52,8 +54,8 @@ class PrefillAdder:
         chunked = pending_req.chunked_req
         assert chunked is not None
         # its room was promised at admission; requests behind it must leave that room alone
-        self.reserved_size += pending_req.input_len - chunked.cached_len + pending_req.output_len
-        self.reserved_size += self.cache_manager.page_size - 1
+        max_len = pending_req.input_len + pending_req.output_len
+        self.reserved_size += self.cache_manager.room_needed(chunked.table_idx, max_len)
         return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
 
     def _make_req(self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object) -> Req:

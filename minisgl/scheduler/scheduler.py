@@ -273,6 +273,10 @@ class Scheduler(SchedulerIOMixin):
         self.cache_manager.check_integrity()
         held_rows = {r.table_idx for r in self.decode_manager.running_reqs}
         held_rows |= {p.chunked_req.table_idx for p in self.prefill_manager.pending_list if p.chunked_req}
+        if held_rows != set(self.cache_manager.rows):
+            raise AssertionError(
+                f"rows with KV pages {sorted(self.cache_manager.rows)} != rows in use {sorted(held_rows)}"
+            )
         free = self.table_manager.available_size + len(self._deferred_slots)
         if free + len(held_rows) != self.table_manager.max_running_req:
             raise AssertionError(
