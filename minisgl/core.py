@@ -33,6 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top log-probabilities returned per token (0: the chosen one only); None: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +69,10 @@ class SamplingParams:
             raise bad("stop", "each stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
+        ):
+            raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
 
     @property
     def is_greedy(self) -> bool:
@@ -78,8 +83,13 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def resolved_seed(self) -> int:
-        """The seed a request samples with: the user's, or a fresh random one."""
-        return self.seed if self.seed is not None else random.getrandbits(62)
+        """The seed a request samples with: the user's, or a fresh random one.
+
+        Any integer is a seed; the sampler hashes it as a signed 64-bit integer, so it is folded into that range.
+        """
+        if self.seed is None:
+            return random.getrandbits(62)
+        return (self.seed + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 class Req:

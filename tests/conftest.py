@@ -11,6 +11,9 @@ from tiny import build_variant, hf_greedy
 
 from minisgl.llm import LLM
 
+# the tiny models gain nothing from intra-op threads, and on a busy machine the threads spin against each other
+torch.set_num_threads(1)
+
 Reference = Callable[[str, list[list[int]], int], list[list[int]]]
 
 
@@ -55,4 +58,3 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     yield make
     for llm in built:
         llm.shutdown()
-

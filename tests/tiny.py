@@ -108,8 +108,13 @@ def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: An
     return folder
 
 
-def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens for each prompt, one prompt at a time, never stopping early."""
+def hf_greedy(
+    folder: str, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs: Any
+) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, one prompt at a time, never stopping early.
+
+    `generate_kwargs` go to `generate` (a repetition_penalty, a logits_processor ...).
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -124,6 +129,7 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new_tokens: int) -> lis
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **generate_kwargs,
         )
         out.append(y[0, len(ids) :].tolist())
     return out

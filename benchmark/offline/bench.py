@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
     p.add_argument("--peer-batch", type=int, default=0, help="CPU peer batch size (0: all requests at once)")
+    p.add_argument("--peer-requests", type=int, default=0, help="CUDA peer: the first N requests only (0: all)")
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,8 +145,13 @@ def main() -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from peer_cuda import run_peer
 
-            seconds = run_peer(model_dir, work.prompts, work.output_lens, args.temperature)
-            results.append(Result("transformers generate_batch (bf16, paged)", seconds, work.output_tokens))
+            n = args.peer_requests or len(work.prompts)
+            seconds = run_peer(model_dir, work.prompts[:n], work.output_lens[:n], args.temperature)
+            subset = f", first {n} requests" if n < len(work.prompts) else ""
+            name = f"transformers generate_batch (bf16, paged{subset})"
+            results.append(Result(name, seconds, sum(work.output_lens[:n])))
+            r = results[-1]
+            print(f"{r.name:<48} {r.seconds:8.2f} s {r.tokens_per_s:10.1f} output tok/s", flush=True)
         else:
             for name in args.peer_dtypes.split(","):
                 dtype = torch.float32 if name == "float32" else torch.bfloat16

@@ -12,7 +12,7 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.engine.sample import BatchSamplingArgs, LogprobsOutput, Sampler
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weight import iter_safetensors, load_weights
@@ -29,6 +29,7 @@ class ForwardOutput:
     next_tokens_gpu: torch.Tensor
     next_tokens_cpu: torch.Tensor
     copy_done: CopyDone
+    logprobs: LogprobsOutput | None = None  # on the CPU; only when a request of the batch asks
 
     def __iter__(self):  # unpacks as (gpu, cpu, copy_done), as the scheduler reads it
         return iter((self.next_tokens_gpu, self.next_tokens_cpu, self.copy_done))
@@ -56,9 +57,14 @@ class Engine:
         self.page_size = config.page_size
         self.kv_dtype = config.kv_cache_dtype or (config.dtype if self.device.type == "cuda" else torch.float32)
         self.num_pages = self._num_pages()
+        graph_bs = config.cuda_graph_max_bs
+        if graph_bs is None:
+            graph_bs = min(256, config.max_running_req)
+        use_graphs = self.device.type == "cuda" and graph_bs > 0
         self.kv_cache = MHAKVCache(
             mc.num_layers,
-            self.num_pages,
+            # with graphs, one more page than the cache manager hands out: the padding rows write there
+            self.num_pages + int(use_graphs),
             self.page_size,
             mc.num_kv_heads // self.tp_info.size,
             mc.head_dim,
@@ -72,15 +78,14 @@ class Engine:
             dtype=torch.int32,
             device=self.device,
         )
+        if use_graphs:
+            self.page_table[config.max_running_req].fill_(self.num_pages * self.page_size)
         self.attn_backend = create_attn_backend(
             config.attention_backend, self.kv_cache, self.page_table, self.device
         )
         self.ctx = Context(self.page_size, self.kv_cache, self.page_table, self.attn_backend)
         set_global_ctx(self.ctx)
         self.sampler = Sampler(self.device, mc.vocab_size)
-        graph_bs = config.cuda_graph_max_bs
-        if graph_bs is None:
-            graph_bs = min(256, config.max_running_req)
         self.graph_runner = GraphRunner(
             self.device,
             min(graph_bs, config.max_running_req),
@@ -91,6 +96,8 @@ class Engine:
             self.max_seq_len,
             mc.vocab_size,
         )
+        # captured last: the model, the pool and the backend exist, and the warm-up compiles the kernels
+        self.graph_runner.capture(self.stream)
         logger.info_rank0(
             f"engine ready: {mc.architecture} on {self.device}, {config.dtype}, "
             f"{self.num_pages} KV pages of {self.page_size}, max_seq_len {self.max_seq_len}"
@@ -162,8 +169,13 @@ class Engine:
         for req in batch.reqs:
             req.complete_one()
         next_tokens = self.sampler.sample(logits[: batch.size], args)
-        next_cpu = next_tokens.to("cpu", non_blocking=self.device.type == "cuda")
-        return ForwardOutput(next_tokens, next_cpu, CopyDone(self.device))
+        non_blocking = self.device.type == "cuda"
+        logprobs = None
+        if args.top_logprobs is not None:
+            logprobs = self.sampler.logprobs(logits[: batch.size], next_tokens, args.top_logprobs)
+            logprobs = logprobs.to("cpu", non_blocking=non_blocking)
+        next_cpu = next_tokens.to("cpu", non_blocking=non_blocking)
+        return ForwardOutput(next_tokens, next_cpu, CopyDone(self.device), logprobs)
 
     def shutdown(self) -> None:
         set_global_ctx(None)
@@ -172,6 +184,8 @@ class Engine:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        if hasattr(self, "graph_runner"):
+            self.graph_runner.destroy()
         for name in ("model", "kv_cache", "page_table", "attn_backend", "ctx", "graph_runner"):
             if hasattr(self, name):
                 delattr(self, name)

@@ -1,16 +1,23 @@
 """CUDA graphs for decode: one graph per batch size, batches padded up to the next captured size.
 
+A decode step launches a dozen kernels per layer, each only microseconds long; replaying a graph
+removes the launch cost between them. Inputs (token ids, positions, KV slots, attention metadata)
+are copied into static buffers on the engine's stream right before a replay, so the scheduler may
+build the next batch meanwhile. Padding rows are the dummy request: row `dummy_table_idx` of the
+page table, which points at a scratch page of the pool that no request owns.
+
 Off on the CPU (there is nothing to capture), and with cuda_graph_max_bs=0.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -35,7 +42,10 @@ class GraphRunner:
     ) -> None:
         self.device = device
         self.enabled = device.type == "cuda" and max_bs > 0
+        if bs_list:
+            bs_list = [s for s in bs_list if 0 < s <= max_bs]
         self.bs_list = sorted(bs_list) if bs_list else default_graph_bs(max_bs) if self.enabled else []
+        self.enabled = self.enabled and bool(self.bs_list)
         self.max_bs = self.bs_list[-1] if self.bs_list else 0
         self.attn_backend = attn_backend
         self.forward = forward
@@ -43,6 +53,7 @@ class GraphRunner:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
         self.dummy_req = Req(
             input_ids=[0],
             table_idx=dummy_table_idx,
@@ -67,8 +78,51 @@ class GraphRunner:
         extra = self.padded_size(batch.size) - batch.size
         batch.padded_reqs = batch.reqs + [self.dummy_req] * extra
 
-    def capture(self) -> None:
-        raise NotImplementedError("CUDA graph capture arrives with the GPU fast path")
+    @torch.inference_mode()
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Capture one graph per batch size, largest first so the smaller ones reuse its memory pool."""
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        max_bs = self.max_bs
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self.attn_backend.init_capture_graph(self.max_seq_len, self.bs_list)
+        ctx = get_global_ctx()
+        # the dummy request's one token sits at position 0 of its row: the scratch slot
+        self.out_loc.fill_(int(ctx.page_table[self.dummy_table_idx, 0].item()))
+        pool = None
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.bs_list):
+                batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
+                batch.input_ids = self.input_ids[:bs]
+                batch.positions = self.positions[:bs]
+                batch.out_loc = self.out_loc[:bs]
+                self.attn_backend.prepare_for_capture(batch)
+                graph = torch.cuda.CUDAGraph()
+                with ctx.forward_batch(batch):
+                    self.forward()  # warm-up outside the capture: compiles and autotunes this shape
+                    torch.cuda.synchronize(self.device)
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.logits[bs] = self.forward()
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info_rank0(
+            f"captured {len(self.graphs)} CUDA graphs for decode batch sizes up to {max_bs} "
+            f"in {time.perf_counter() - start:.1f} s"
+        )
 
     def replay(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError("CUDA graph replay arrives with the GPU fast path")
+        bs = batch.padded_size
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.out_loc[:bs].copy_(batch.out_loc)
+        self.attn_backend.prepare_for_replay(batch)
+        self.graphs[bs].replay()
+        return self.logits[bs]
+
+    def destroy(self) -> None:
+        self.graphs.clear()
+        self.logits.clear()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
+from minisgl.kernel import use_triton
 from minisgl.utils.torch_utils import pin
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers, as signed int64
@@ -44,6 +45,20 @@ class BatchSamplingArgs:
     seeds: torch.Tensor | None = None  # [B] int64
     steps: torch.Tensor | None = None  # [B] int64
     penalty: PenaltyArgs | None = None
+    top_logprobs: int | None = None  # the most top log-probabilities a request asks for; None: none asks
+
+
+@dataclass
+class LogprobsOutput:
+    """Log-probabilities from the raw logits (before penalties and temperature, as OpenAI reports them)."""
+
+    token_logprobs: torch.Tensor  # [B] of the sampled tokens
+    top_logprobs: torch.Tensor  # [B, k], most likely first
+    top_ids: torch.Tensor  # [B, k]
+
+    def to(self, device: str, non_blocking: bool) -> LogprobsOutput:
+        tensors = (self.token_logprobs, self.top_logprobs, self.top_ids)
+        return LogprobsOutput(*(t.to(device, non_blocking=non_blocking) for t in tensors))
 
 
 @dataclass
@@ -71,8 +86,10 @@ class Sampler:
         reqs = batch.reqs
         params = [r.sampling_params for r in reqs]
         penalised = any(p.has_penalty for p in params)
+        # computed only when a request of the batch asks: it costs a log_softmax over the vocabulary
+        top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if all(p.is_greedy for p in params) and not penalised:
-            return BatchSamplingArgs(greedy=True)
+            return BatchSamplingArgs(greedy=True, top_logprobs=top_logprobs)
         v = self.vocab_size
         args = BatchSamplingArgs(
             greedy=False,
@@ -81,6 +98,7 @@ class Sampler:
             ),
             seeds=self._to([r.seed for r in reqs], torch.int64),
             steps=self._to([r.device_len for r in reqs], torch.int64),
+            top_logprobs=top_logprobs,
         )
         if any(0 < p.top_k < v for p in params):
             args.top_k = self._to([p.top_k if 0 < p.top_k < v else v for p in params], torch.int64)
@@ -118,8 +136,13 @@ class Sampler:
             return torch.argmax(logits, dim=-1).to(torch.int32)
         if args.penalty is not None:
             logits = apply_penalties(logits, args.penalty)
-        greedy_tokens = torch.argmax(logits, dim=-1)
         assert args.temperatures is not None and args.seeds is not None and args.steps is not None
+        if use_triton(logits):
+            from minisgl.kernel.sampling import sample
+
+            filters = (args.top_k, args.top_p, args.min_p)
+            return sample(logits, args.temperatures, args.seeds, args.steps, *filters, filter_logits)
+        greedy_tokens = torch.argmax(logits, dim=-1)
         temps = args.temperatures
         logits = logits / torch.where(temps > 0, temps, 1.0)
         logits = filter_logits(logits, args.top_k, args.top_p, args.min_p)
@@ -128,6 +151,13 @@ class Sampler:
         noise = -torch.log(hash_uniform(args.seeds, args.steps, logits.shape[-1]))
         sampled = torch.argmax(probs / noise, dim=-1)
         return torch.where(temps[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsOutput:
+        """logits: [B, V] as the model produced them; tokens: [B] sampled -> their and the top-k log-probabilities."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, tokens.to(torch.int64)[:, None])[:, 0]
+        top = logprobs.topk(k, dim=-1)
+        return LogprobsOutput(chosen, top.values, top.indices)
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:

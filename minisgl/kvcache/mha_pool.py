@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # numpy's zeros takes fresh zero pages from the OS (calloc): a large pool costs nothing until it is used
+    blob = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
+    return blob.view(dtype).view(shape)
 
 
 class MHAKVCache:
@@ -22,8 +33,9 @@ class MHAKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        # zeroed, so padded reads in attention never meet NaN bit patterns
+        self.k_buffer = _zeros(shape, dtype, device)
+        self.v_buffer = _zeros(shape, dtype, device)
 
     @staticmethod
     def bytes_per_page(

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.kernel import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        from minisgl.kernel.norm import rms_norm as fused
+
+        return fused(x, weight, eps)
     # computed in float32 as transformers does, so float32 and bf16 runs match the reference
     dtype = x.dtype
     xf = x.float()
@@ -27,6 +33,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns norm(x + residual) and the new residual x + residual."""
+        if residual is not None and use_triton(x):
+            from minisgl.kernel.norm import rms_norm_residual
+
+            return rms_norm_residual(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.kernel import use_triton
+
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -47,6 +49,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        half = self.head_dim // 2
+        if use_triton(q) and half & (half - 1) == 0:  # the kernel's tiles want D/2 a power of 2
+            from minisgl.kernel.rotary import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 

@@ -14,3 +14,5 @@ class DetokenizeMsg:
     error: str | None = None  # what the user should change, for finish_reason "error"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (sent with the first token)
     prompt_tokens: int = 0
+    logprob: float | None = None  # the new token's log-probability, when the request asks for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, log-probability), most likely first

@@ -188,9 +188,8 @@ class CacheManager:
             )
         if set(free) | set(cached) | set(held) != set(range(self.num_pages)):
             raise AssertionError("a KV page is in two places at once, or lost")
-        cached_set = set(cached)
         shared = {p for r in self.rows.values() for p in r.pages[: r.shared]}
-        if not shared <= cached_set:
+        if not shared <= set(cached):
             raise AssertionError("a row shares a page the prefix cache does not hold")
         # a running row locks exactly its shared pages; any other locked page is a leaked lock
         locked = self.prefix_cache.total_pages - self.prefix_cache.evictable_pages

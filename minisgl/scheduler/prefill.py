@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl.core import Batch, ChunkedReq, Req
+from minisgl.kvcache.radix import RadixPrefixCache
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import PendingReq
 from minisgl.utils.misc import align_up
+
+# a request that shares at least this many uncached tokens with an earlier request of the same batch waits for
+# that request's KV rather than computing the shared prefix twice; a shorter overlap (a chat header) is not worth a step
+IN_BATCH_SHARE_MIN = 32
 
 
 @dataclass
@@ -26,6 +31,13 @@ class PrefillAdder:
     reserved_size: int
     cache_manager: CacheManager
     table_manager: TableManager
+    # the prompts of this batch: a request sharing more with one of them than the cache holds waits a step,
+    # then reads that prefix from the cache instead of computing it again (None: the cache keeps nothing)
+    batch_prompts: RadixPrefixCache | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        reuse = self.cache_manager.cache_type != "naive"
+        self.batch_prompts = RadixPrefixCache(self.cache_manager.page_size) if reuse else None
 
     def try_add_one(self, pending_req: PendingReq) -> Req | None:
         if self.token_budget <= 0:
@@ -36,6 +48,8 @@ class PrefillAdder:
             return None
         cm = self.cache_manager
         match = cm.match_req(pending_req.input_ids)
+        if self._shares_with_batch(pending_req.input_ids) - match.length >= IN_BATCH_SHARE_MIN:
+            return None
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
         # whole pages for prompt + max_tokens, as Scheduler._check_user_msg counts them: a request it lets
         # through always fits once the pool has drained
@@ -58,7 +72,17 @@ class PrefillAdder:
         self.reserved_size += self.cache_manager.room_needed(chunked.table_idx, max_len)
         return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
 
+    def _shares_with_batch(self, input_ids: list[int]) -> int:
+        """Leading tokens (whole pages, the last token left out as in match_req) shared with this batch's prompts."""
+        return 0 if self.batch_prompts is None else self.batch_prompts.match_prefix(input_ids[:-1]).length
+
     def _make_req(self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object) -> Req:
+        if self.batch_prompts is not None:
+            aligned = pending_req.input_len // self.cache_manager.page_size
+            # the pages are placeholders: only the token prefixes are looked up
+            self.batch_prompts.insert_prefix(
+                pending_req.input_ids[: aligned * self.cache_manager.page_size], [-1] * aligned
+            )
         extend_len = pending_req.input_len - cached_len
         chunk = min(extend_len, self.token_budget)
         self.token_budget -= chunk

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +21,7 @@ from minisgl.scheduler.utils import CacheStats, PendingReq
 from minisgl.utils.hf import eos_token_ids, load_tokenizer
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
-from minisgl.utils.torch_utils import create_stream, pin, set_stream, stream_ctx
+from minisgl.utils.torch_utils import create_stream, pin, set_stream
 
 logger = init_logger(__name__)
 
@@ -48,7 +48,7 @@ class Scheduler(SchedulerIOMixin):
         # the scheduler prepares metadata on its own stream while the engine computes on another, so the two overlap
         self.device = self.engine.device
         self.stream = create_stream(self.device)
-        self.engine_stream_ctx = stream_ctx(self.engine.stream)
+        self.engine_stream_ctx = _EngineStreamCtx(self.engine.stream, self.stream)
         set_stream(self.stream)
 
         self.table_manager = TableManager(config.max_running_req, self.engine.page_table)
@@ -62,6 +62,7 @@ class Scheduler(SchedulerIOMixin):
         # under overlap scheduling a released slot can only be reallocated once any batch that might use it is done
         self._defer_slot_free = False
         self._deferred_slots: list[int] = []
+        self._inflight_reqs: list[Req] = []  # the batch the device runs while the CPU handles the last one
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -72,8 +73,35 @@ class Scheduler(SchedulerIOMixin):
 
     # ---- the loop ----------------------------------------------------------------------------
     def run_forever(self) -> None:
+        if self.device.type == "cuda" and not ENV.DISABLE_OVERLAP_SCHEDULING.value:
+            last_data: ForwardData | None = None
+            while True:
+                last_data = self.overlap_loop(last_data)
         while True:
             self.normal_loop()
+
+    def overlap_loop(self, last_data: ForwardData | None) -> ForwardData | None:
+        """The overlap loop: launch step k+1, then handle step k's results while the device runs it.
+
+        Batch k+1 is built before step k's tokens are known, so it may hold a request that step k
+        finished (an EOS): that result is dropped through finished_reqs. A row freed while a batch
+        in flight may still write it is handed out again only after that batch is done.
+        """
+        self._defer_slot_free = True
+        busy = self.prefill_manager.runnable or self.decode_manager.runnable
+        blocking = last_data is None and not busy
+        for msg in self.receive_msg(blocking=blocking):
+            self._process_one_msg(msg)
+        forward_input = self._schedule_next_batch()
+        ongoing = None
+        if forward_input is not None:
+            with self.engine_stream_ctx:
+                ongoing = (forward_input, self._forward(forward_input))
+        self._inflight_reqs = ongoing[0].batch.reqs if ongoing is not None else []
+        self._process_last_data(last_data)
+        if ongoing is None:
+            self._release_deferred_slots()  # nothing is in flight: every freed row is safe to reuse
+        return ongoing
 
     def normal_loop(self) -> None:
         """The plain loop: receive, schedule, forward, wait, handle results. The CPU and the device take turns."""
@@ -129,10 +157,12 @@ class Scheduler(SchedulerIOMixin):
         if last_data is None:
             return
         batch, (_, next_tokens_cpu, copy_done) = last_data[0].batch, last_data[1]
+        logprobs = last_data[1].logprobs
         copy_done.synchronize()  # the sample is on the CPU: this batch and every earlier one are done
         self._release_deferred_slots()
         reply: list[DetokenizeMsg] = []
         new_finished: set[Req] = set()
+        tokens = next_tokens_cpu.tolist()  # one conversion: indexing a tensor per request costs microseconds
         with self.cache_manager.lazy_free_region():
             for i, req in enumerate(batch.reqs):
                 if isinstance(req, ChunkedReq):  # a chunked request produces no output this step
@@ -140,9 +170,15 @@ class Scheduler(SchedulerIOMixin):
                 if req in self.finished_reqs:
                     # under overlap the request finished (or was aborted) last step but was already in this batch
                     continue
-                token = int(next_tokens_cpu[i].item())
+                token = tokens[i]
                 req.append_host(token)
                 msg = DetokenizeMsg(uid=req.uid, next_token=token, finished=False)
+                k = req.sampling_params.logprobs
+                if logprobs is not None and k is not None:
+                    msg.logprob = float(logprobs.token_logprobs[i])
+                    msg.top_logprobs = list(
+                        zip(logprobs.top_ids[i, :k].tolist(), logprobs.top_logprobs[i, :k].tolist())
+                    )
                 if batch.is_prefill:
                     msg.prompt_tokens, msg.cached_tokens = req.prompt_len, req.num_cached_tokens
                     self.cache_stats.prompt_tokens += req.prompt_len
@@ -226,8 +262,8 @@ class Scheduler(SchedulerIOMixin):
             )
         max_tokens = min(msg.sampling_params.max_tokens, max_seq_len - input_len)
         ps = self.config.page_size
-        need_pages = div_ceil(input_len + max_tokens, ps)
-        if need_pages > self.engine.num_pages:
+        # the same whole pages PrefillAdder asks for, so a request that passes here is admitted once the pool is idle
+        if div_ceil(input_len + max_tokens, ps) > self.engine.num_pages:
             room = self.engine.num_pages * ps - input_len
             fix = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
             return (
@@ -273,6 +309,8 @@ class Scheduler(SchedulerIOMixin):
         self.cache_manager.check_integrity()
         held_rows = {r.table_idx for r in self.decode_manager.running_reqs}
         held_rows |= {p.chunked_req.table_idx for p in self.prefill_manager.pending_list if p.chunked_req}
+        # under overlap, requests of the batch in flight hold their rows until its results are handled
+        held_rows |= {r.table_idx for r in self._inflight_reqs if r not in self.finished_reqs}
         if held_rows != set(self.cache_manager.rows):
             raise AssertionError(
                 f"rows with KV pages {sorted(self.cache_manager.rows)} != rows in use {sorted(held_rows)}"
@@ -286,6 +324,31 @@ class Scheduler(SchedulerIOMixin):
     def shutdown(self) -> None:
         self.close_io()
         self.engine.shutdown()
+
+
+class _EngineStreamCtx:
+    """Runs a block on the engine's stream, after what the scheduler's stream has queued for the batch.
+
+    The batch's inputs (host-to-device copies, page-table writes) are queued on the scheduler's stream;
+    the forward pass on the engine's stream must not start before they land.
+    """
+
+    def __init__(self, engine_stream: Any, scheduler_stream: Any) -> None:
+        self.engine_stream = engine_stream
+        self.scheduler_stream = scheduler_stream
+        self._ctx: Any = None
+
+    def __enter__(self) -> None:
+        if self.engine_stream is None:
+            return
+        self.engine_stream.wait_stream(self.scheduler_stream)
+        self._ctx = torch.cuda.stream(self.engine_stream)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
 
 
 def _lens(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

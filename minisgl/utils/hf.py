@@ -13,12 +13,11 @@ logger = init_logger(__name__)
 
 def resolve_model_path(model_path: str | None) -> str:
     """A Hugging Face folder for `model_path`; GGUF files (and the default model) are converted once and cached."""
-    from minisgl.models.gguf import convert_gguf, default_model_path
+    if model_path is None or (os.path.isfile(model_path) and model_path.endswith(".gguf")):
+        # only GGUF needs the gguf package: a Hugging Face folder loads without it
+        from minisgl.models.gguf import convert_gguf, default_model_path
 
-    if model_path is None:
-        model_path = default_model_path()
-    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        return convert_gguf(model_path)
+        return convert_gguf(model_path if model_path is not None else default_model_path())
     if not os.path.isdir(model_path):
         raise FileNotFoundError(
             f"model {model_path!r} is neither a folder nor a .gguf file; minisgl loads local models only "

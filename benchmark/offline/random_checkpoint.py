@@ -1,0 +1,88 @@
+"""Random-weight checkpoints of real model shapes, built from a config dict (no hub, no downloads).
+
+    python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b
+The weights are drawn on the GPU where there is one (an 8B model takes seconds there, minutes on a
+CPU) and saved in bf16 with a small byte-level tokenizer, so `LLM(folder)` and transformers load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama3-8b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def build(shape: str, folder: str, seed: int = 0) -> str:
+    """Save a random bf16 checkpoint of `shape` (a key of SHAPES) into `folder`, unless one is there."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    # the tiny byte-level tokenizer of the tests: prompts are token ids, the text is never read
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+    from tiny import build_tokenizer
+
+    arch, kwargs = SHAPES[shape]
+    os.makedirs(folder, exist_ok=True)
+    tok = build_tokenizer(folder)
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch](
+        **kwargs, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id
+    )
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("folder")
+    args = p.parse_args()
+    start = time.perf_counter()
+    build(args.shape, args.folder)
+    print(f"{args.shape} checkpoint in {args.folder} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The "triton" attention backend: paged decode and extend kernels reading the pool through the page table.
+
+The metadata is a few int32 vectors per batch (table row, context length and, for a prefill, where
+each request's queries start and how many there are), copied to the device in one transfer. For
+CUDA graphs the decode metadata lives in static buffers that each replay refreshes with one
+device-to-device copy on the engine's stream, so the scheduler can build the next batch while the
+current one still runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.core import Batch
+from minisgl.kernel.attention import decode_attention, decode_splits, extend_attention
+from minisgl.kernel.store import store_kv
+from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.utils.torch_utils import pin
+
+
+@dataclass
+class TritonAttnMetadata:
+    packed: torch.Tensor  # [2, B] (decode) or [4, B] (prefill) int32: the rows below, in one tensor
+    rows: torch.Tensor  # [B] page-table row of each request
+    seq_lens: torch.Tensor  # [B] context length after this step (device_len)
+    q_starts: torch.Tensor | None = None  # [B] prefill: packed index of each request's first query
+    q_lens: torch.Tensor | None = None  # [B] prefill: queries of each request this step
+    max_q_len: int = 1
+    num_splits: int = 1  # decode: splits along the sequence
+
+
+class TritonAttnBackend(BaseAttnBackend):
+    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device) -> None:
+        self.kv_cache = kv_cache
+        self.page_table = page_table
+        self.device = device
+        self.scale = kv_cache.head_dim**-0.5
+        self.graph_meta: torch.Tensor | None = None  # [2, max_bs] static decode metadata of the graphs
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        rows = [r.table_idx for r in reqs]
+        lens = [r.device_len for r in reqs]
+        if batch.is_decode:
+            host = torch.tensor([rows, lens], dtype=torch.int32, pin_memory=pin(self.device))
+            packed = host.to(self.device, non_blocking=True)
+            batch.attn_metadata = TritonAttnMetadata(
+                packed, packed[0], packed[1], num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads)
+            )
+            return
+        q_lens = [r.extend_len for r in reqs]
+        q_starts, total = [], 0
+        for n in q_lens:
+            q_starts.append(total)
+            total += n
+        host = torch.tensor([rows, lens, q_starts, q_lens], dtype=torch.int32, pin_memory=pin(self.device))
+        packed = host.to(self.device, non_blocking=True)
+        batch.attn_metadata = TritonAttnMetadata(
+            packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        meta: TritonAttnMetadata = batch.attn_metadata
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        store_kv(k, v, k_cache, v_cache, batch.out_loc)  # the store casts to the pool's dtype
+        out_dtype = q.dtype
+        q = q.to(k_cache.dtype)
+        if batch.is_decode:
+            out = decode_attention(
+                q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale
+            )
+            return out.to(out_dtype)
+        assert meta.q_starts is not None and meta.q_lens is not None
+        out = extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.page_table,
+            meta.rows,
+            meta.seq_lens,
+            meta.q_starts,
+            meta.q_lens,
+            meta.max_q_len,
+            self.scale,
+        )
+        return out.to(out_dtype)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        self.graph_meta = torch.zeros((2, max(bs_list)), dtype=torch.int32, device=self.device)
+
+    def _static_metadata(self, bs: int) -> TritonAttnMetadata:
+        assert self.graph_meta is not None, "init_capture_graph comes first"
+        packed = self.graph_meta[:, :bs]
+        return TritonAttnMetadata(
+            packed,
+            self.graph_meta[0, :bs],
+            self.graph_meta[1, :bs],
+            num_splits=decode_splits(bs, self.kv_cache.num_kv_heads),
+        )
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.padded_size
+        assert self.graph_meta is not None, "init_capture_graph comes first"
+        # the dummy request's row and length: the warm-up run before capture reads real values
+        self.graph_meta[0, :bs] = batch.padded_reqs[0].table_idx
+        self.graph_meta[1, :bs] = batch.padded_reqs[0].device_len
+        batch.attn_metadata = self._static_metadata(bs)
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        assert self.graph_meta is not None, "init_capture_graph comes first"
+        meta: TritonAttnMetadata = batch.attn_metadata
+        self.graph_meta[:, : batch.padded_size].copy_(meta.packed)

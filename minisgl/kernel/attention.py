@@ -1,0 +1,358 @@
+"""Paged attention over the KV pool: a split-KV decode kernel and a causal extend (prefill) kernel.
+
+The pool is indexed by token slot: page_table[row, pos] holds the slot of position pos of the request
+in that row, so both kernels gather K/V rows through the page table and work for any page size.
+Decode reads each K/V row once for all the query heads that share it (GQA), and splits long
+contexts along the sequence so that small batches still fill the GPU; a second kernel merges the
+splits by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass
+class DecodeConfig:
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    max_splits: int = 16
+    target_programs: int = 264  # about two programs per SM on an H200
+
+
+DECODE_CONFIG = DecodeConfig()
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    MidO,
+    MidLse,
+    PageTable,
+    Rows,
+    SeqLens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    qk_scale,
+    NUM_QO_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    row = tl.load(Rows + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + h
+    hmask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    omask = hmask[:, None] & dmask[None, :]
+    if SPLIT:
+        # an empty split (a short context) leaves weight 0 for the merge: lse = -inf, output 0
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        lse = m_i + tl.log2(l_i)
+        base = (b * NUM_QO_HEADS + heads) * num_splits + s
+        tl.store(MidO + base[:, None] * BLOCK_D + d[None, :], out, mask=omask)
+        tl.store(MidLse + base, lse, mask=hmask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=omask,
+        )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO,
+    MidLse,
+    Out,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    NUM_QO_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    base = (b * NUM_QO_HEADS + h) * num_splits + s
+    lse = tl.load(MidLse + base, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(smask, w, 0.0)
+    o = tl.load(MidO + base[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
+
+
+def decode_splits(batch_size: int, num_kv_heads: int) -> int:
+    """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
+    cfg = DECODE_CONFIG
+    want = triton.cdiv(cfg.target_programs, max(1, batch_size * num_kv_heads))
+    return max(1, min(cfg.max_splits, want))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 runs are the exact reference: no TF32 inside the kernels
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D]."""
+    bs, hq, d = q.shape
+    hk = k_cache.shape[1]
+    group = hq // hk
+    cfg = DECODE_CONFIG
+    out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
+    split = num_splits > 1
+    if split:
+        mid_o = torch.empty((bs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out
+    _decode_kernel[(bs, hk, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        mid_o,
+        mid_lse,
+        page_table,
+        rows,
+        seq_lens,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        sm_scale * _LOG2E,
+        NUM_QO_HEADS=hq,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        D=d,
+        BLOCK_D=block_d,
+        SPLIT=split,
+        PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        _decode_merge_kernel[(bs, hq)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_QO_HEADS=hq,
+            D=d,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PageTable,
+    Rows,
+    SeqLens,
+    QStarts,
+    QLens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_len = tl.load(QLens + b)
+    if mblk * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(QStarts + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    prefix = seq_len - q_len  # the cached part: this step's queries sit at positions prefix ... seq_len - 1
+    kvh = h // GROUP
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q_ptr = Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :]
+    q = tl.load(q_ptr, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # keys before the block's first query are visible to all of its queries: no mask there
+    full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
+    end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    for n in range(0, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if n + BLOCK_N > full_end:
+            causal = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
+            qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptr = Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    max_q_len: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their request's whole context (cached prefix + this step).
+
+    q: [T, Hq, D] packed by request; this step's K/V must already be in the pool. -> [T, Hq, D]
+    """
+    t, hq, d = q.shape
+    hk = k_cache.shape[1]
+    bs = rows.shape[0]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
+    wide = q.dtype == torch.float32 or block_d > 128  # keep the tiles within shared memory
+    block_m, block_n = (64, 32) if wide else (128, 64)
+    _extend_kernel[(triton.cdiv(max_q_len, block_m), hq, bs)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        rows,
+        seq_lens,
+        q_starts,
+        q_lens,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        sm_scale * _LOG2E,
+        GROUP=hq // hk,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D=d,
+        BLOCK_D=block_d,
+        PRECISION=_precision(q.dtype),
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=2,
+    )
+    return out

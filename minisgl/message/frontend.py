@@ -1,0 +1,63 @@
+"""Messages between the API server and the tokenizer worker, and the scheduler's load report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.core import SamplingParams
+
+
+@dataclass
+class TokenizeMsg:
+    """One generation request; exactly one of `text`, `input_ids` and `messages` is the prompt."""
+
+    uid: int
+    sampling_params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # a chat, rendered with the model's chat template
+
+
+@dataclass
+class AbortMsg:
+    uid: int
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TokenLogprob] = field(
+        default_factory=list
+    )  # the most likely tokens at this position, most likely first
+
+
+@dataclass
+class UserReply:
+    """What one request produced since its last reply; `text` is new text only."""
+
+    uid: int
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    error: str | None = None
+    error_code: str | None = None  # e.g. "context_length_exceeded", for the API's error body
+    prompt_tokens: int = 0  # sent with the first reply
+    cached_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated so far
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's load after a step, for /metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    free_slots: int = 0
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+    kv_pages_cached: int = 0  # owned by the prefix cache
+    kv_pages_held: int = 0  # private to running requests

@@ -1,0 +1,47 @@
+"""ZmqSchedulerIO: the scheduler's receive_msg / send_result in online mode, over ZMQ to the tokenizer worker."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from minisgl.message import BaseBackendMsg
+from minisgl.message.frontend import SchedulerStats
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.scheduler import Scheduler
+
+
+class ZmqSchedulerIO:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.tp_info.size != 1:
+            raise NotImplementedError("online serving runs one scheduler for now (tensor parallel size 1)")
+        self._requests = ZmqPullQueue(config.zmq_backend_addr, bind=True)
+        self._replies = ZmqPushQueue(config.zmq_detokenizer_addr)
+
+    def receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
+        """What has arrived; with `blocking`, wait for at least one message first."""
+        msgs = [self._requests.get()] if blocking else []
+        return msgs + self._requests.drain()
+
+    def send_result(self, reply: list[Any]) -> None:
+        self._replies.put(reply)
+
+    def close(self) -> None:
+        self._requests.close()
+        self._replies.close()
+
+
+def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
+    """The scheduler's load right now: requests, table rows and KV pages."""
+    cm = scheduler.cache_manager
+    return SchedulerStats(
+        running=len(scheduler.decode_manager.running_reqs),
+        waiting=len(scheduler.prefill_manager.pending_list),
+        free_slots=scheduler.table_manager.available_size,
+        kv_pages_total=cm.num_pages,
+        kv_pages_free=len(cm.free_pages),
+        kv_pages_cached=cm.prefix_cache.total_pages,
+        kv_pages_held=cm.private_pages(),
+    )

@@ -1,0 +1,270 @@
+"""`python -m minisgl`: start the scheduler and the tokenizer worker, wait until both are ready, then
+serve the HTTP API in this process (or run the chat shell with --shell).
+
+The children are spawned (not forked: torch and ZMQ state must not be shared) and never outlive
+this process. If one of them dies the server goes down with a log line saying which, rather than
+hanging its clients; SIGINT and SIGTERM stop everything in order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.client import EngineClient, ServeInfo
+from minisgl.tokenizer.worker import WorkerAddrs
+from minisgl.utils.logger import init_logger
+from minisgl.utils.mp import exit_now, init_child_process, ipc_addr
+
+logger = init_logger(__name__)
+
+_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler tells the others once its model is loaded."""
+
+    model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
+    max_seq_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+# ---- the child processes ----------------------------------------------------------------------
+def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
+    init_child_process()
+    try:
+        from minisgl.scheduler.scheduler import Scheduler
+        from minisgl.scheduler.zmq_io import scheduler_stats
+
+        scheduler = Scheduler(config)
+    except Exception:
+        conn.send(("failed", traceback.format_exc()))
+        raise SystemExit(1) from None
+    send = scheduler.send_result
+    # every reply also carries the scheduler's load after the step, which /metrics shows
+    scheduler.send_result = lambda reply: send([*reply, scheduler_stats(scheduler)])
+    scheduler.send_result([])
+    engine = scheduler.engine
+    info = ModelInfo(
+        engine.model_dir, engine.max_seq_len, engine.model_config.vocab_size, sorted(scheduler.eos_token_ids)
+    )
+    conn.send(("ready", info))
+    try:
+        scheduler.run_forever()
+    except (KeyboardInterrupt, SystemExit):  # an ExitMsg, or SIGTERM from the parent
+        scheduler.shutdown()
+        exit_now(0)
+
+
+def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
+    init_child_process()
+    try:
+        import transformers  # noqa: F401  (imported while the scheduler loads: the slow part overlaps)
+
+        from minisgl.tokenizer.worker import TokenizerWorker
+        from minisgl.utils.hf import load_tokenizer
+
+        # the scheduler resolves the model (a GGUF file is converted once) and knows its context length
+        info: ModelInfo = conn.recv()
+        tokenizer = load_tokenizer(info.model_dir)
+        worker = TokenizerWorker(tokenizer, info.max_seq_len, info.vocab_size, info.eos_token_ids, addrs)
+    except EOFError:
+        raise SystemExit(0) from None  # the parent gave up before the scheduler was ready
+    except Exception:
+        conn.send(("failed", traceback.format_exc()))
+        raise SystemExit(1) from None
+    conn.send(("ready", None))
+    try:
+        worker.run_forever()
+    except SystemExit:  # SIGTERM from the parent
+        worker.close()
+        exit_now(0)
+
+
+# ---- the parent's view of them ----------------------------------------------------------------
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+class ServerProcesses:
+    """The scheduler and the tokenizer worker: started together, watched, stopped together."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+        addr = lambda name: ipc_addr(self.ipc_dir, name)  # noqa: E731
+        self.addrs = WorkerAddrs(
+            requests=addr("tokenizer"),
+            replies=addr("api"),
+            backend=addr("scheduler"),
+            detokenize=addr("detok"),
+        )
+        try:
+            self.config = args.scheduler_config(self.addrs.backend, self.addrs.detokenize)
+        except ValueError as e:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            raise StartupError(f"invalid engine option: {e}") from e
+        self.procs: list[BaseProcess] = []
+        self.stopping = False
+
+    def start(self) -> ModelInfo:
+        ctx = mp.get_context("spawn")
+        sched_conn, sched_child = ctx.Pipe()
+        tok_conn, tok_child = ctx.Pipe()
+        self.procs = [
+            ctx.Process(
+                target=_scheduler_main, args=(self.config, sched_child), name="scheduler", daemon=True
+            ),
+            ctx.Process(target=_tokenizer_main, args=(self.addrs, tok_child), name="tokenizer", daemon=True),
+        ]
+        for p in self.procs:
+            p.start()
+        sched_child.close()
+        tok_child.close()
+        info = self._wait_ready(sched_conn, self.procs[0])
+        tok_conn.send(info)
+        self._wait_ready(tok_conn, self.procs[1])
+        logger.info(f"scheduler (pid {self.procs[0].pid}) and tokenizer (pid {self.procs[1].pid}) are ready")
+        return info
+
+    def _wait_ready(self, conn: Connection, proc: BaseProcess) -> Any:
+        wait([conn, *(p.sentinel for p in self.procs)])
+        if conn.poll():
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                status, payload = "failed", None
+            if status == "ready":
+                return payload
+            if payload is not None:
+                raise StartupError(f"the {proc.name} process failed to start:\n{payload}")
+        dead = next((p for p in self.procs if not p.is_alive()), proc)
+        dead.join(1.0)
+        raise StartupError(f"the {dead.name} process {_describe_exit(dead.exitcode)} during start-up")
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(reason)` from a thread if a child dies while the server runs."""
+
+        def run() -> None:
+            ready = wait([p.sentinel for p in self.procs])
+            if self.stopping:
+                return
+            dead = next(p for p in self.procs if p.sentinel in ready)
+            dead.join(1.0)
+            reason = (
+                f"the {dead.name} process (pid {dead.pid}) {_describe_exit(dead.exitcode)}; shutting down"
+            )
+            logger.error(reason)
+            on_failure(reason)
+
+        threading.Thread(target=run, name="minisgl-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(_STOP_TIMEOUT_S)
+            if p.is_alive():
+                logger.warning(f"the {p.name} process did not stop in {_STOP_TIMEOUT_S:.0f} s; killing it")
+                p.kill()
+                p.join()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+# ---- the main process -------------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host"
+        ) from e
+    sock.listen(2048)  # connections queue from now on, even while the model loads
+    return sock
+
+
+def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, info: ServeInfo) -> int:
+    import uvicorn
+
+    from minisgl.server.api_server import create_app
+
+    app = create_app(info, lambda: EngineClient(procs.addrs.requests, procs.addrs.replies))
+    # a stream still open at shutdown gets a few seconds to finish, then is cut
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    failed: list[str] = []
+
+    def on_failure(reason: str) -> None:
+        failed.append(reason)
+        loop = getattr(app.state, "loop", None)
+        if loop is not None:  # end the requests in flight now: no reply will come for them
+            loop.call_soon_threadsafe(app.state.client.fail_all, reason)
+        server.should_exit = True
+
+    procs.watch(on_failure)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
+    server.run(sockets=[sock])
+    return 1 if failed else 0
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_exit)  # stop like Ctrl-C does: through the finally below
+    sock: socket.socket | None = None
+    procs: ServerProcesses | None = None
+    code = 0
+    try:
+        if not args.shell:
+            sock = _bind(args.host, args.port)
+        procs = ServerProcesses(args)
+        model = procs.start()
+        info = ServeInfo(args.model_name, args.model, model.max_seq_len)
+        if args.shell:
+            from minisgl.server.shell import run_shell
+
+            code = run_shell(procs, info)
+        else:
+            assert sock is not None
+            code = _serve_http(args, sock, procs, info)
+    except StartupError as e:
+        logger.error(str(e))
+        code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if procs is not None:
+            procs.stop()
+        if sock is not None:
+            sock.close()
+    if code:
+        raise SystemExit(code)

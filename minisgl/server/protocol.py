@@ -1,0 +1,337 @@
+"""Request bodies of the API (OpenAI's and SGLang's /generate), their checks, and OpenAI-style errors.
+
+Types are checked strictly (a string is not a number, 5.0 is not an integer); value ranges are
+SamplingParams.validate's, so the server and the offline LLM refuse the same things with the same words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from minisgl.core import SamplingParams
+
+MAX_N = 128  # choices per prompt
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _OpenAIRequest(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def num_choices(self) -> int:
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_N:
+            raise APIError(f"n={n} is invalid: it must be in [1, {MAX_N}]", "n", "invalid_value")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        # OpenAI's defaults: temperature 1; max_tokens left out means the engine's default
+        values: dict[str, Any] = dict(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=logprobs,
+        )
+        return checked_params({k: v for k, v in values.items() if v is not None})
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def chat(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise APIError("messages is empty; send at least one message", "messages", "empty_prompt")
+        if self.tools:
+            raise APIError(
+                "tools are not supported by this server; leave out 'tools'", "tools", "unsupported_parameter"
+            )
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(
+                "only response_format {'type': 'text'} is supported",
+                "response_format",
+                "unsupported_parameter",
+            )
+        return [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(self.messages)]
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = None
+        if self.logprobs:
+            logprobs = 0 if self.top_logprobs is None else self.top_logprobs
+        elif self.top_logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "logprobs", "invalid_value")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise APIError(
+                f"top_logprobs={logprobs} is invalid: it must be in [0, 20]", "top_logprobs", "invalid_value"
+            )
+        return self._sampling_params(max_tokens, logprobs)
+
+
+def _text_content(message: ChatMessage, i: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(
+                f"messages[{i}].content has a part of type {part.get('type')!r}; only text parts "
+                "({'type': 'text', 'text': ...}) are supported",
+                f"messages[{i}].content",
+                "unsupported_content",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[Prompt]:
+        if self.echo:
+            raise APIError(
+                "echo is not supported; leave it out or set it to false", "echo", "unsupported_parameter"
+            )
+        if self.suffix:
+            raise APIError("suffix is not supported; leave it out", "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise APIError("best_of is not supported; leave it out", "best_of", "unsupported_parameter")
+        p = self.prompt
+        prompts: list[Prompt] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[list-item]
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise APIError("the prompt is empty; send at least one token", "prompt", "empty_prompt")
+        return prompts
+
+    def sampling_params(self) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(
+                f"logprobs={self.logprobs} is invalid: it must be in [0, 20]", "logprobs", "invalid_value"
+            )
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class GenerateSamplingParams(_Strict):
+    """SGLang's names for the sampling parameters of /generate."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    sampling_seed: int | None = None
+    n: int | None = None
+
+
+class GenerateRequest(_Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSamplingParams | None = None
+    stream: bool | None = None
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+
+    def prompts(self) -> list[Prompt]:
+        if (self.text is None) == (self.input_ids is None):
+            raise APIError("send exactly one of 'text' and 'input_ids'", "text", "invalid_value")
+        if self.text is not None:
+            prompts: list[Prompt] = [self.text] if isinstance(self.text, str) else list(self.text)
+        else:
+            ids = self.input_ids or []
+            prompts = [ids] if not ids or isinstance(ids[0], int) else list(ids)  # type: ignore[list-item]
+        if not prompts or any(len(x) == 0 for x in prompts):
+            param = "text" if self.text is not None else "input_ids"
+            raise APIError("the prompt is empty; send at least one token", param, "empty_prompt")
+        return prompts
+
+    @property
+    def num_choices(self) -> int:
+        n = (self.sampling_params.n if self.sampling_params else None) or 1
+        if not 1 <= n <= MAX_N:
+            raise APIError(
+                f"n={n} is invalid: it must be in [1, {MAX_N}]", "sampling_params.n", "invalid_value"
+            )
+        return n
+
+    def to_sampling_params(self) -> SamplingParams:
+        sp = self.sampling_params or GenerateSamplingParams()
+        logprobs = (self.top_logprobs_num or 0) if self.return_logprob else None
+        values = dict(
+            max_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,  # SGLang's default
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.sampling_seed,
+            ignore_eos=sp.ignore_eos,
+            stop=sp.stop,
+            stop_token_ids=sp.stop_token_ids,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logprobs=logprobs,
+        )
+        try:
+            return checked_params({k: v for k, v in values.items() if v is not None})
+        except APIError as e:  # name the parameter as this endpoint calls it
+            ours = e.param or ""
+            theirs = {
+                "max_tokens": "max_new_tokens",
+                "seed": "sampling_seed",
+                "logprobs": "top_logprobs_num",
+            }.get(ours, ours)
+            message = theirs + e.message[len(ours) :] if e.message.startswith(ours) else e.message
+            param = theirs if theirs == "top_logprobs_num" else f"sampling_params.{theirs}"
+            raise APIError(message, param, e.code) from e
+
+
+def checked_params(values: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from the request's values; a bad value is an APIError naming the parameter."""
+    params = SamplingParams(**values)
+    try:
+        params.validate()
+    except ValueError as e:
+        # validate's messages start with "name=value": the name is the parameter to point at
+        raise APIError(str(e), str(e).split("=", 1)[0], "invalid_value") from e
+    return params
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly."""
+    out = []
+    for i in range(n):
+        p = SamplingParams(**vars(params))
+        if p.seed is not None and i:
+            p.seed += i
+        out.append(p)
+    return out
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def parse_body(model: type[T], body: bytes) -> T:
+    """The request body as `model`; malformed JSON or a wrong field is an APIError saying what to fix."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from e
+
+
+def _split(loc: tuple[Any, ...]) -> tuple[str | None, str | None]:
+    """(parameter path, union member) of an error location such as ('prompt', 'list[int]', 0)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, str) and _is_type_tag(part):
+            return path or None, part  # pydantic names the union member it tried; the path ends there
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None, None
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "none", "dict", "list")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(
+            f"the request body is not valid JSON ({first['msg']}); send a JSON object", None, "invalid_json"
+        )
+    if not first["loc"]:
+        return APIError("the request body must be a JSON object", None, "invalid_type")
+    param, member = _split(first["loc"])
+    if first["type"] == "missing":
+        return APIError(f"'{param}' is required", param, "missing_required_parameter")
+    if member is not None:
+        members = [m for m in (_split(err["loc"]) for err in errors) if m[0] == param and m[1] is not None]
+        kinds = ", ".join(dict.fromkeys(m[1] for m in members if m[1]))
+        return APIError(
+            f"'{param}' has the wrong type: expected one of {kinds}; got {_short(first['input'])}",
+            param,
+            "invalid_type",
+        )
+    return APIError(f"'{param}': {first['msg']}; got {_short(first['input'])}", param, "invalid_type")

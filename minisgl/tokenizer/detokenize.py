@@ -1,0 +1,86 @@
+"""IncrementalDetokenizer: a request's output tokens as a stream of text pieces.
+
+Decoding token by token goes wrong in two ways: a token may end in the middle of a UTF-8
+character (it decodes to U+FFFD until the next token completes it), and some tokenizers drop
+or add a leading space depending on what comes before. So each step decodes a short window
+that starts one token back (the `prefix_offset`/`read_offset` pair, as in vLLM and TGI) and
+keeps the new text back while it ends in U+FFFD. Stop strings are cut out of the text, as
+OpenAI does; text that might be the start of one is held until it is known either way.
+`finish()` returns whatever is still held, so no text is lost at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop or [] if s]
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # the window decoded each step starts here ...
+        self.read_offset = 0  # ... and the text of tokens before this one has been taken already
+        self.text = ""  # every complete character decoded so far (cut at a stop string once one is found)
+        self.sent = 0  # characters of `text` returned so far
+        self.searched = 0  # `text` before this has been searched for stop strings
+        self.stopped = False  # a stop string was found: the output ends before it
+
+    def add(self, token: int) -> str:
+        """Take the next token; return the text that can be shown now (maybe empty)."""
+        self.ids.append(token)
+        self._decode_new(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request has ended: return every character still held back."""
+        self._decode_new(final=True)
+        return self._release(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decode_new(self, final: bool) -> None:
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        # an unfinished UTF-8 character decodes to U+FFFD; wait for the tokens that complete it
+        if len(full) > len(prefix) and (final or not full.endswith(_REPLACEMENT)):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = self._find_stop()
+        if cut is not None:
+            self.stopped = True
+            self.text = self.text[:cut]
+            end = cut
+        else:
+            self.searched = len(self.text)
+            end = len(self.text) if final else len(self.text) - self._partial_stop_len()
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent += len(out)
+        return out
+
+    def _find_stop(self) -> int | None:
+        if not self.stop:
+            return None
+        # a stop string that starts before `searched` would have been found already, unless it ends after it
+        start = max(0, self.searched - max(len(s) for s in self.stop) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of `text` that a stop string starts with."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,155 @@
+"""The tokenizer worker: prompts from the API server go to the scheduler as token ids, and the
+scheduler's tokens come back to the API server as text.
+
+One process does both directions, polling two sockets: requests (TokenizeMsg, AbortMsg) from the
+API server and DetokenizeMsg batches from the scheduler. Each scheduler step becomes one message
+to the API server, so a busy step costs one hop, not one per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from minisgl.core import SamplingParams
+from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokenLogprob, UserReply
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.tokenize import PromptError, TokenizeManager
+from minisgl.utils.logger import init_logger
+from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class WorkerAddrs:
+    requests: str  # the worker receives TokenizeMsg / AbortMsg here (it binds)
+    replies: str  # the API server receives UserReply here
+    backend: str  # the scheduler receives requests here
+    detokenize: str  # the worker receives the scheduler's DetokenizeMsg here (it binds)
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class TokenizerWorker:
+    tokenizer: Any
+    max_seq_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    addrs: WorkerAddrs
+    requests: dict[int, _Request] = field(default_factory=dict)
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tokenize_manager = TokenizeManager(self.tokenizer, self.max_seq_len, self.vocab_size)
+        self._from_api = ZmqPullQueue(self.addrs.requests, bind=True)
+        self._from_scheduler = ZmqPullQueue(self.addrs.detokenize, bind=True)
+        self._to_api = ZmqPushQueue(self.addrs.replies)
+        self._to_scheduler = ZmqPushQueue(self.addrs.backend)
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._from_api.socket, zmq.POLLIN)
+        poller.register(self._from_scheduler.socket, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(500))  # wakes now and then so a SIGTERM is acted on
+            if self._from_api.socket in ready:
+                self._handle_api(self._from_api.drain())
+            if self._from_scheduler.socket in ready:
+                self._handle_scheduler(self._from_scheduler.drain())
+
+    def close(self) -> None:
+        for queue in (self._from_api, self._from_scheduler, self._to_api, self._to_scheduler):
+            queue.close()
+
+    # ---- API server -> scheduler -------------------------------------------------------------
+    def _handle_api(self, batches: list[list[Any]]) -> None:
+        to_scheduler: list[BaseBackendMsg] = []
+        replies: list[UserReply] = []
+        for msg in (m for batch in batches for m in batch):
+            if isinstance(msg, TokenizeMsg):
+                try:
+                    ids = self.tokenize_manager.tokenize(msg)
+                except PromptError as e:
+                    replies.append(UserReply(msg.uid, "", True, "error", str(e), e.code))
+                    continue
+                detokenizer = IncrementalDetokenizer(self.tokenizer, msg.sampling_params.stop)
+                self.requests[msg.uid] = _Request(msg.sampling_params, detokenizer, len(ids))
+                to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
+            elif isinstance(msg, AbortMsg):
+                to_scheduler.append(AbortBackendMsg(msg.uid))
+            else:
+                logger.warning(f"tokenizer worker: unexpected message {type(msg).__name__} ignored")
+        if to_scheduler:
+            self._to_scheduler.put(BatchBackendMsg(to_scheduler))
+        if replies:
+            self._to_api.put(replies)
+
+    # ---- scheduler -> API server -------------------------------------------------------------
+    def _handle_scheduler(self, batches: list[list[Any]]) -> None:
+        replies: list[Any] = []
+        stats: SchedulerStats | None = None
+        for msg in (m for batch in batches for m in batch):
+            if isinstance(msg, SchedulerStats):
+                stats = msg  # only the newest counts
+            elif isinstance(msg, DetokenizeMsg):
+                reply = self._detokenize(msg)
+                if reply is not None:
+                    replies.append(reply)
+        if stats is not None:
+            replies.append(stats)
+        if replies:
+            self._to_api.put(replies)
+
+    def _detokenize(self, msg: DetokenizeMsg) -> UserReply | None:
+        req = self.requests.get(msg.uid)
+        if req is None:
+            return None  # ended here already (a stop string, or an abort): late messages are dropped
+        if msg.prompt_tokens:
+            req.cached_tokens = msg.cached_tokens
+        reply = UserReply(msg.uid, "", msg.finished, msg.finish_reason, msg.error)
+        if msg.next_token >= 0:
+            req.completion_tokens += 1
+            # EOS and stop token ids end the request but are not part of its text, as in the OpenAI API
+            if not (
+                msg.finished and msg.finish_reason == "stop" and self._is_stop_token(req, msg.next_token)
+            ):
+                reply.text = req.detokenizer.add(msg.next_token)
+                if msg.logprob is not None:
+                    reply.logprobs = [self._logprob(msg)]
+        if req.detokenizer.stopped:
+            if not msg.finished:
+                # the stop string showed up before the scheduler noticed it: end the request here
+                self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
+            reply.finished, reply.finish_reason = True, "stop"
+        if reply.finished:
+            reply.text += req.detokenizer.finish()
+            del self.requests[msg.uid]
+        reply.prompt_tokens, reply.cached_tokens = req.prompt_tokens, req.cached_tokens
+        reply.completion_tokens = req.completion_tokens
+        return reply
+
+    def _is_stop_token(self, req: _Request, token: int) -> bool:
+        params = req.params
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def _logprob(self, msg: DetokenizeMsg) -> TokenLogprob:
+        top = [TokenLogprob(int(t), self._text_of(int(t)), float(lp)) for t, lp in msg.top_logprobs or []]
+        return TokenLogprob(msg.next_token, self._text_of(msg.next_token), float(msg.logprob or 0.0), top)
+
+    def _text_of(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text

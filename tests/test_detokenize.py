@@ -1,0 +1,98 @@
+"""Incremental detokenization: the streamed pieces add up to the offline text, never split a UTF-8
+character, cut stop strings out, and lose nothing at the end."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from tiny import build_tokenizer
+
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def stream(tokenizer: Any, ids: list[int], stop: list[str] | None = None) -> tuple[list[str], str]:
+    """(the pieces shown while tokens arrive, what finish() adds at the end)."""
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    return [detok.add(t) for t in ids], detok.finish()
+
+
+def offline_text(tokenizer: Any, ids: list[int], stop: list[str] | None = None) -> str:
+    """What the offline LLM returns for these output tokens."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = min((i for i in (text.find(s) for s in stop or []) if i >= 0), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+TEXTS = ["héllo wörld", "naïve café: 日本語のテキスト", "emoji 🙂🚀 and ∑ math", "plain ascii only"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_multibyte_characters_are_never_split(tokenizer: Any, text: str) -> None:
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.encode()) // 4  # bytes outside the tiny vocabulary: characters span tokens
+    pieces, tail = stream(tokenizer, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + tail == text
+    assert tail == ""  # every character was complete by the last token
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_tokens_stream_to_the_offline_text(tokenizer: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 60))]
+    pieces, tail = stream(tokenizer, ids)
+    assert "".join(pieces) + tail == offline_text(tokenizer, ids)
+
+
+def test_an_unfinished_character_at_the_end_is_not_lost(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ab🙂")[:-1]  # the emoji's last byte never comes
+    pieces, tail = stream(tokenizer, ids)
+    assert "".join(pieces) == "ab"
+    assert tail == tokenizer.decode(ids)[2:] and tail.startswith("\ufffd")
+
+
+def test_stop_string_is_cut_and_nothing_after_it_is_shown(tokenizer: Any) -> None:
+    ids = tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
+    detok = IncrementalDetokenizer(tokenizer, ["Paris."])
+    shown = ""
+    for t in ids:
+        shown += detok.add(t)
+        if detok.stopped:
+            break
+    shown += detok.finish()
+    assert shown == "The capital of France is "
+    assert detok.stopped
+
+
+def test_text_that_may_start_a_stop_string_is_held_until_known(tokenizer: Any) -> None:
+    ids = tokenizer.encode("one two three")
+    detok = IncrementalDetokenizer(tokenizer, ["two!", "thr"])
+    shown = [detok.add(t) for t in ids]
+    # "two" could have been the start of "two!": it is shown only once the next text rules that out
+    assert "".join(shown) + detok.finish() == "one two "
+    assert all(not p.endswith("tw") for p in shown)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_stop_strings_match_the_offline_cut(tokenizer: Any, seed: int) -> None:
+    rng = random.Random(100 + seed)
+    ids = [rng.randrange(3, len(tokenizer)) for _ in range(40)]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    start = rng.randrange(len(text) - 3)
+    stop = [text[start : start + rng.randint(1, 3)], "never appears \x00"]
+    pieces, tail = stream(tokenizer, ids, stop)
+    assert "".join(pieces) + tail == offline_text(tokenizer, ids, stop)
+
+
+def test_a_partial_stop_string_at_the_end_is_released(tokenizer: Any) -> None:
+    ids = tokenizer.encode("hello wor")
+    pieces, tail = stream(tokenizer, ids, ["world"])
+    assert "".join(pieces) == "hello "
+    assert tail == "wor"

@@ -1,0 +1,172 @@
+"""The CUDA fast path (Triton attention, fused kernels, CUDA graphs, overlap scheduling) against transformers.
+
+Run with `pytest -m gpu` on a CUDA machine; skipped elsewhere. float32 runs with TF32 off must give
+transformers' greedy tokens exactly; bf16 runs must keep every step's logits within BF16_LOGITS_REL_ERR
+of transformers' float32 logits; graphs, overlap and page size must not change any token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from tiny import random_prompts
+
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.llm import LLM
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BF16_LOGITS_REL_ERR = 3e-2  # ||ours - transformers float32|| / ||transformers float32||, every step
+VARIANTS = ["llama", "qwen3", "qwen2-tied", "mistral", "qwen3-mqa-head-dim", "llama-head-dim"]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32() -> Iterator[None]:
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture
+def overlap(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    def set_overlap(on: bool) -> None:
+        monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", not on)
+
+    return set_overlap
+
+
+def gpu_llm(make_llm: Callable[..., LLM], folder: str, **kwargs: Any) -> LLM:
+    kwargs.setdefault("max_running_req", 8)
+    return make_llm(folder, device="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_greedy_tokens_equal_transformers(
+    variant: str, page_size: int, tiny_model, hf_reference, make_llm
+) -> None:
+    folder = tiny_model(variant)
+    # more prompts than rows and a small prefill budget: chunked prefills, a changing decode batch, padding
+    prompts = random_prompts(11, seed=5, max_len=60)
+    llm = gpu_llm(make_llm, folder, page_size=page_size, max_extend_tokens=96)
+    assert llm.engine.graph_runner.graphs, "decode should run from CUDA graphs"
+    out = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
+    assert llm.table_manager.available_size == 8
+
+
+def _run(make_llm: Callable[..., LLM], folder: str, params: list[SamplingParams], prompts, **kw: Any):
+    llm = gpu_llm(make_llm, folder, max_running_req=4, max_extend_tokens=80, **kw)
+    out = llm.generate(prompts, params)
+    llm.check_integrity()
+    assert llm.table_manager.available_size == 4
+    llm.shutdown()
+    return [o["token_ids"] for o in out], [o["finish_reason"] for o in out]
+
+
+def test_graphs_overlap_and_page_size_do_not_change_tokens(
+    tiny_model, make_llm, overlap, monkeypatch
+) -> None:
+    monkeypatch.setattr(ENV.DEBUG_CHECK_INTEGRITY, "value", True)
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(14, seed=9, max_len=50)
+    # stop tokens taken from a first run end requests mid-flight, so rows are freed and reused under overlap
+    overlap(False)
+    first, _ = _run(make_llm, folder, [SamplingParams(max_tokens=16, ignore_eos=True)] * 14, prompts)
+    stops = sorted({t for toks in first for t in toks[4:6]})[:5]
+    params = [
+        SamplingParams(
+            max_tokens=4 + 3 * (i % 5), temperature=0.8 if i % 2 else 0.0, seed=i, stop_token_ids=stops
+        )
+        for i in range(14)
+    ]
+    results = {}
+    for graphs in (True, False):
+        for on in (True, False):
+            for page_size in (1, 16):
+                overlap(on)
+                results[(graphs, on, page_size)] = _run(
+                    make_llm,
+                    folder,
+                    params,
+                    prompts,
+                    page_size=page_size,
+                    cuda_graph_max_bs=None if graphs else 0,
+                )
+    reference = results[(False, False, 1)]
+    assert "stop" in reference[1] and "length" in reference[1]
+    for key, result in results.items():
+        assert result == reference, f"graphs, overlap, page size = {key} changed the output"
+
+
+def test_abort_of_an_inflight_prefill_under_overlap_frees_everything_once(
+    tiny_model, make_llm, overlap, monkeypatch
+):
+    monkeypatch.setattr(ENV.DEBUG_CHECK_INTEGRITY, "value", True)
+    overlap(True)
+    folder = tiny_model("llama")
+    prompts = random_prompts(6, seed=2, max_len=40)
+    llm = gpu_llm(make_llm, folder, max_running_req=4, cache_type="radix")
+    launch, aborted = llm._forward, []
+
+    def forward_then_abort(forward_input):
+        output = launch(forward_input)
+        if forward_input.batch.is_prefill and not aborted:
+            # arrives while this prefill is still in flight: its result must be dropped, its locks released once
+            aborted.append(forward_input.batch.reqs[0].uid)
+            llm.abort(aborted[0])
+        return output
+
+    llm._forward = forward_then_abort
+    out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert out[aborted[0]]["finish_reason"] == "abort"
+    assert all(len(o["token_ids"]) == 8 for i, o in enumerate(out) if i != aborted[0])
+    llm.check_integrity()
+    assert llm.table_manager.available_size == 4
+    # the same prompts again: the prefix cache serves them, with locks and pages intact
+    again = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o["token_ids"] for i, o in enumerate(again) if i != aborted[0]] == [
+        o["token_ids"] for i, o in enumerate(out) if i != aborted[0]
+    ]
+
+
+def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq], device="cuda")).logits[0].float()
+    return logits[prompt_len - 1 : len(seq) - 1]
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
+    folder = tiny_model(variant)
+    llm = gpu_llm(make_llm, folder, dtype=torch.bfloat16)
+    steps: list[torch.Tensor] = []
+    sample = llm.engine.sampler.sample
+
+    def recording_sample(logits: torch.Tensor, args: Any) -> torch.Tensor:
+        steps.append(logits[0].float().clone())
+        return sample(logits, args)
+
+    llm.engine.sampler.sample = recording_sample
+    worst = 0.0
+    for prompt in random_prompts(3, seed=4, min_len=5, max_len=50):
+        steps.clear()
+        tokens = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]["token_ids"]
+        ours = torch.stack(steps)  # one request alone: row 0 of every step
+        ref = _teacher_forced_logits(folder, prompt + tokens, len(prompt))
+        errors = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
+        worst = max(worst, *errors)
+        assert max(errors) < BF16_LOGITS_REL_ERR, f"per-step relative errors {errors}"
+        assert tokens[:1] == hf_reference(folder, [prompt], 1)[0]
+    print(f"{variant}: worst per-step relative logits error in bf16: {worst:.2e}")

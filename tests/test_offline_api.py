@@ -1,0 +1,306 @@
+"""The offline LLM interface as a user drives it: the chapter's example, text in and out, stopping, chat, teardown."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import Reference
+from tiny import assert_nothing_held, random_prompts
+
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.llm import LLM
+
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "1 + 1 =",
+    "Once upon a time,",
+]
+ID_PROMPTS = random_prompts(8, seed=3, min_len=2, max_len=24)
+
+
+@pytest.fixture(autouse=True)
+def _plain_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _trace(llm: LLM) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Record every scheduled batch as (phase, [(uid, tokens computed), ...]), as the chapter's example prints it."""
+    trace: list[tuple[str, list[tuple[int, int]]]] = []
+    forward = llm._forward
+
+    def traced(forward_input: Any) -> Any:
+        batch = forward_input.batch
+        trace.append((batch.phase, [(r.uid, r.extend_len) for r in batch.reqs]))
+        return forward(forward_input)
+
+    llm._forward = traced  # type: ignore[method-assign]
+    return trace
+
+
+def test_the_chapter_example_runs_as_written(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("qwen3")
+    llm = make_llm(
+        path,
+        dtype=torch.float32,
+        max_running_req=8,
+        num_page_override=1024,
+        max_seq_len_override=512,
+        cache_type="naive",
+    )
+    trace = _trace(llm)
+    lengths = [6, 2, 5, 1, 4]  # the short ones finish and leave first
+    outputs = llm.generate(TEXT_PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+
+    ids = [llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
+    ref = hf_reference(path, ids, max(lengths))
+    assert [o["token_ids"] for o in outputs] == [r[:n] for r, n in zip(ref, lengths)]
+    assert [o["text"] for o in outputs] == [
+        llm.tokenizer.decode(o["token_ids"], skip_special_tokens=True) for o in outputs
+    ]
+    # one prefill of all five, then decode batches that shrink as requests reach their max_tokens
+    assert trace == [
+        ("prefill", [(uid, len(p)) for uid, p in enumerate(ids)]),
+        ("decode", [(0, 1), (1, 1), (2, 1), (4, 1)]),
+        ("decode", [(0, 1), (2, 1), (4, 1)]),
+        ("decode", [(0, 1), (2, 1), (4, 1)]),
+        ("decode", [(0, 1), (2, 1)]),
+        ("decode", [(0, 1)]),
+    ]
+    assert llm.table_manager.available_size == 8
+    llm.shutdown()
+
+
+def test_requests_with_different_lengths_leave_and_join(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    """Different max_tokens: the short ones finish and leave the batch first while the rest carry on, and a later generate's requests join afterwards."""
+    qwen3 = tiny_model("qwen3")
+    llm = make_llm(qwen3, max_running_req=8, cache_type="naive")
+    prompts = ID_PROMPTS[:5]
+    lengths = [3, 12, 7, 1, 9]
+    out = llm.generate(prompts, [greedy(n) for n in lengths])
+    ref = hf_reference(qwen3, prompts, 12)
+    assert [o["token_ids"] for o in out] == [r[:n] for r, n in zip(ref, lengths)]
+    assert llm.table_manager.available_size == 8  # every row has been returned
+    later = llm.generate(prompts[::-1], [greedy(n) for n in lengths])
+    assert [o["token_ids"] for o in later] == [r[:n] for r, n in zip(ref[::-1], lengths)]
+    assert llm.table_manager.available_size == 8
+    llm.shutdown()
+
+
+def test_waiting_requests_join_in_arrival_order_as_rows_free(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    llm = make_llm(path, max_running_req=2, cache_type="naive")
+    trace = _trace(llm)
+    lengths = [3, 12, 7, 1, 9, 4]
+    out = llm.generate(ID_PROMPTS[:6], [greedy(n) for n in lengths])
+
+    ref = hf_reference(path, ID_PROMPTS[:6], 12)
+    assert [o["token_ids"] for o in out] == [r[:n] for r, n in zip(ref, lengths)]
+    assert max(len(reqs) for _, reqs in trace) <= 2
+    prefilled = [uid for phase, reqs in trace if phase == "prefill" for uid, _ in reqs]
+    assert prefilled == list(range(6))  # first come, first served, each prompt computed once
+    first_decode = next(i for i, (phase, _) in enumerate(trace) if phase == "decode")
+    assert any(phase == "prefill" for phase, _ in trace[first_decode:])  # some joined while others decoded
+    for uid, n in enumerate(lengths):  # a request decodes until it has its max_tokens, then leaves
+        assert sum(uid in dict(reqs) for phase, reqs in trace if phase == "decode") == n - 1
+    assert all([u for u, _ in reqs] == sorted(u for u, _ in reqs) for _, reqs in trace)
+    assert_nothing_held(llm)
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    # 80 KV tokens: the first request takes 30 + 10; the second (35 + 10) must wait for it to finish,
+    # and the small third (5 + 10), which would fit at once, waits behind the second
+    llm = make_llm(path, max_running_req=4, num_page_override=80, cache_type="naive")
+    trace = _trace(llm)
+    prompts = [random_prompts(1, seed=s, min_len=n, max_len=n)[0] for s, n in ((5, 30), (6, 35), (7, 5))]
+    out = llm.generate(prompts, greedy(10))
+
+    assert [o["token_ids"] for o in out] == hf_reference(path, prompts, 10)
+    assert [[uid for uid, _ in reqs] for phase, reqs in trace if phase == "prefill"] == [[0], [1, 2]]
+    assert_nothing_held(llm)
+
+
+def test_string_prompts_are_tokenized_and_outputs_decoded(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    llm = make_llm(path, max_running_req=4)
+    out = llm.generate(TEXT_PROMPTS, greedy(8))
+
+    ids = [llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
+    assert [o["token_ids"] for o in out] == hf_reference(path, ids, 8)
+    assert [o["text"] for o in out] == [
+        llm.tokenizer.decode(o["token_ids"], skip_special_tokens=True) for o in out
+    ]
+    assert [o["prompt_tokens"] for o in out] == [len(i) for i in ids]
+    # one string alone is one prompt
+    [single] = llm.generate(TEXT_PROMPTS[0], greedy(8))
+    assert single["token_ids"] == out[0]["token_ids"]
+    assert_nothing_held(llm)
+
+
+def _first_stop(tokens: list[int], stops: set[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in stops), None)
+
+
+def test_a_request_stops_at_any_eos_id_of_the_generation_config(
+    tiny_model: Callable[[str], str],
+    hf_reference: Reference,
+    make_llm: Callable[..., LLM],
+    tmp_path: Any,
+) -> None:
+    n = 16
+    ref = hf_reference(tiny_model("llama"), ID_PROMPTS, n)
+    # two eos ids that the greedy runs produce mid-way, each the first stop of some prompt
+    first_eos = ref[0][3]
+    second_eos = next(r[4] for r in ref[1:] if r[4] != first_eos and first_eos not in r[:5])
+    folder = shutil.copytree(tiny_model("llama"), tmp_path / "two-eos")
+    gen_config = json.loads((folder / "generation_config.json").read_text())
+    gen_config["eos_token_id"] = [first_eos, second_eos]
+    (folder / "generation_config.json").write_text(json.dumps(gen_config))
+    tokenizer_eos = int(json.loads((folder / "config.json").read_text())["eos_token_id"])
+
+    llm = make_llm(str(folder), max_running_req=4)
+    out = llm.generate(ID_PROMPTS, SamplingParams(max_tokens=n))
+
+    stops = {first_eos, second_eos, tokenizer_eos}
+    ends = [_first_stop(r, stops) for r in ref]
+    assert {ref[i][end] for i, end in enumerate(ends) if end is not None} >= {first_eos, second_eos}
+    assert [o["token_ids"] for o in out] == [r if end is None else r[:end] for r, end in zip(ref, ends)]
+    assert [o["finish_reason"] for o in out] == ["length" if end is None else "stop" for end in ends]
+    # ignore_eos runs through them all
+    out = llm.generate(ID_PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == ref
+    assert all(o["finish_reason"] == "length" for o in out)
+    assert_nothing_held(llm)
+
+
+def test_stop_token_ids_end_a_request_without_appearing_in_it(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    ref = hf_reference(path, ID_PROMPTS, 16)
+    stop_ids = [r[5] for r in ref]  # a token each greedy run produces
+    llm = make_llm(path, max_running_req=4)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[t, 1]) for t in stop_ids]
+    out = llm.generate(ID_PROMPTS, params)
+
+    ends = [_first_stop(r, {t, 1}) for r, t in zip(ref, stop_ids)]
+    assert [o["token_ids"] for o in out] == [r[:end] for r, end in zip(ref, ends)]
+    assert all(o["finish_reason"] == "stop" for o in out)
+    assert_nothing_held(llm)
+
+
+def test_stop_strings_end_a_request_and_are_cut_from_the_text(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    llm = make_llm(path, max_running_req=4)
+    decode = llm.tokenizer.decode
+    ref = hf_reference(path, ID_PROMPTS, 16)
+    # a stop string from the middle of each greedy text
+    picks = [(i, decode(r[6:8])) for i, r in enumerate(ref)]
+    picks = [(i, s) for i, s in picks if s.isascii() and s.strip() and len(s) >= 2]
+    assert len(picks) >= 3
+    prompts = [ID_PROMPTS[i] for i, _ in picks]
+    out = llm.generate(
+        prompts, [SamplingParams(max_tokens=16, ignore_eos=True, stop=["never-said", s]) for _, s in picks]
+    )
+
+    for (i, stop), o in zip(picks, out):
+        end = next(m for m in range(1, 17) if stop in decode(ref[i][:m]))  # the token that completes it
+        assert o["finish_reason"] == "stop"
+        assert o["token_ids"] == ref[i][:end]
+        text = decode(ref[i][:end])
+        assert o["text"] == text[: text.index(stop)]
+        assert stop not in o["text"]
+    assert_nothing_held(llm)
+
+
+def test_chat_applies_the_chat_template(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("qwen3")
+    llm = make_llm(path, max_running_req=4)
+    conversations = [
+        [{"role": "user", "content": "hello world"}],
+        [
+            {"role": "system", "content": "Once upon a time"},
+            {"role": "user", "content": "List three prime numbers:"},
+        ],
+    ]
+    out = llm.chat(conversations, greedy(8))
+
+    templated = [
+        "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>system\nOnce upon a time<|im_end|>\n"
+        "<|im_start|>user\nList three prime numbers:<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    ids = [llm.tokenizer(t).input_ids for t in templated]
+    assert [o["prompt_tokens"] for o in out] == [len(i) for i in ids]
+    assert [o["token_ids"] for o in out] == hf_reference(path, ids, 8)
+    assert_nothing_held(llm)
+
+
+def test_two_llms_one_after_another_both_work(
+    tiny_model: Callable[[str], str], hf_reference: Reference
+) -> None:
+    llama, qwen3 = tiny_model("llama"), tiny_model("qwen3")
+    results: list[list[list[int]]] = []
+    for path in (llama, qwen3, llama):
+        llm = LLM(path, dtype=torch.float32, max_running_req=4)
+        try:
+            results.append([o["token_ids"] for o in llm.generate(ID_PROMPTS, greedy(6))])
+            assert_nothing_held(llm)
+        finally:
+            llm.shutdown()
+    assert results == [hf_reference(p, ID_PROMPTS, 6) for p in (llama, qwen3, llama)]
+
+
+def _run_example(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    monkeypatch.setattr(sys, "argv", ["ch07_scheduler.py", *argv])
+    runpy.run_path("examples/ch07_scheduler.py", run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_the_chapter_example_script_prints_its_trace_and_matches_transformers(
+    tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run_example([tiny_model("qwen3")], monkeypatch, capsys)
+    lines = out.splitlines()
+    assert lines[0] == "the scheduling trace:"
+    assert [line.split()[:2] for line in lines[1:7]] == [["prefill", "bs=5"]] + [
+        ["decode", f"bs={n}"] for n in (4, 3, 3, 2, 1)
+    ]
+    assert out.count("matches HF: True") == 5
+
+
+@pytest.mark.slow
+def test_the_chapter_example_script_runs_on_the_default_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run_example([], monkeypatch, capsys)
+    assert "prefill bs=5" in out
+    assert out.count("matches HF: True") == 5

@@ -1,0 +1,52 @@
+"""The messages between the server's processes survive msgpack, and nothing else can be sent or rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.message import AbortBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
+from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokenLogprob, UserReply
+from minisgl.message.utils import deserialize, serialize
+
+PARAMS = SamplingParams(max_tokens=7, temperature=0.5, stop=["\n\n"], seed=3, logprobs=2)
+
+MESSAGES = [
+    UserMsg(1, [5, 6, 7], PARAMS),
+    AbortBackendMsg(2),
+    ExitMsg(),
+    BatchBackendMsg([UserMsg(3, [1], SamplingParams()), AbortBackendMsg(4)]),
+    DetokenizeMsg(5, 42, True, "stop", prompt_tokens=3, logprob=-0.5, top_logprobs=[[42, -0.5], [7, -1.5]]),
+    DetokenizeMsg(6, -1, True, "error", "the prompt is empty; send at least one token"),
+    TokenizeMsg(7, PARAMS, messages=[{"role": "user", "content": "héllo 🙂"}]),
+    TokenizeMsg(8, PARAMS, input_ids=[1, 2, 3]),
+    AbortMsg(9),
+    UserReply(10, "text", False, logprobs=[TokenLogprob(42, "x", -0.5, [TokenLogprob(42, "x", -0.5)])]),
+    SchedulerStats(running=3, waiting=1, kv_pages_total=100, kv_pages_held=12),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_type_round_trips(msg: object) -> None:
+    assert deserialize(serialize(msg)) == msg
+
+
+def test_a_list_of_messages_round_trips() -> None:
+    assert deserialize(serialize(MESSAGES)) == MESSAGES
+
+
+def test_an_unknown_class_cannot_be_sent() -> None:
+    @dataclass
+    class Secret:
+        value: int
+
+    with pytest.raises(TypeError, match="Secret"):
+        serialize(Secret(1))
+
+
+def test_an_unknown_type_tag_is_refused_on_receipt() -> None:
+    with pytest.raises(ValueError, match="unknown message type"):
+        deserialize(msgpack.packb({"__msg__": "os.system", "command": "true"}))

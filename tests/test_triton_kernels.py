@@ -1,0 +1,210 @@
+"""The Triton kernels against their torch versions on tiny shapes.
+
+Without a GPU they run in Triton's interpreter on CPU tensors (slow, so the shapes stay tiny); on a
+CUDA machine the same tests run the compiled kernels. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+pytest.importorskip("triton")
+
+from minisgl.engine.sample import filter_logits, hash_uniform  # noqa: E402
+from minisgl.kernel.activation import silu_and_mul  # noqa: E402
+from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
+from minisgl.kernel.norm import rms_norm, rms_norm_residual  # noqa: E402
+from minisgl.kernel.rotary import apply_rotary  # noqa: E402
+from minisgl.kernel.sampling import filter_logits_partial, sample_tokens  # noqa: E402
+from minisgl.kernel.store import store_kv  # noqa: E402
+from minisgl.layers import activation as torch_activation  # noqa: E402
+from minisgl.layers import norm as torch_norm  # noqa: E402
+from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def paged_pool(
+    lens: list[int], num_kv: int, d: int, page_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A K/V pool with every request's tokens on shuffled pages, and the page table that finds them."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per) + 2
+    order = torch.randperm(num_pages, generator=g)
+    width = max(pages_per) * page_size
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(pages_per):
+        pages = order[used : used + n]
+        used += n
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
+        table[row, : len(slots)] = slots.to(torch.int32)
+    k = torch.randn(num_pages * page_size, num_kv, d, generator=g).to(dtype)
+    v = torch.randn(num_pages * page_size, num_kv, d, generator=g).to(dtype)
+    return k.to(DEVICE), v.to(DEVICE), table.to(DEVICE)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: list[int], q_lens: list[int]
+) -> torch.Tensor:
+    """float64 causal attention of each request's queries (its last q_len positions) over its context."""
+    out, start = [], 0
+    group = q.shape[1] // k.shape[1]
+    for row, (n, m) in enumerate(zip(lens, q_lens)):
+        slots = table[row, :n].long()
+        kk = k[slots].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        vv = v[slots].double().repeat_interleave(group, dim=1)
+        qq = q[start : start + m].double()
+        scores = torch.einsum("qhd,khd->hqk", qq, kk) / q.shape[-1] ** 0.5
+        q_pos = torch.arange(n - m, n)[:, None]
+        scores = scores.masked_fill(torch.arange(n)[None, :] > q_pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+        start += m
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_matches_reference(page_size: int, num_splits: int) -> None:
+    lens, hq, hk, d = [1, 7, 70, 33], 4, 2, 16
+    k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=page_size + num_splits)
+    q = torch.randn(len(lens), hq, d).to(DEVICE)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k, v, table, rows, seq, num_splits, d**-0.5)
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, [1] * len(lens))
+    assert rel_err(out.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_attention_with_cached_prefix_matches_reference(page_size: int) -> None:
+    # a fresh prompt, a request with a cached prefix, and a one-token extension
+    lens, q_lens, hq, hk, d = [40, 90, 20], [40, 23, 1], 4, 1, 16
+    k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=7 + page_size)
+    q = torch.randn(sum(q_lens), hq, d).to(DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 40, 63], **i32)
+    out = extend_attention(
+        q,
+        k,
+        v,
+        table,
+        torch.arange(3, **i32),
+        torch.tensor(lens, **i32),
+        starts,
+        torch.tensor(q_lens, **i32),
+        max(q_lens),
+        d**-0.5,
+    )
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, q_lens)
+    assert rel_err(out.cpu(), ref) < 1e-5
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core tiles need a GPU")
+def test_bf16_attention_within_bf16_error() -> None:
+    lens, hq, hk, d = [300, 1000, 17], 16, 8, 128
+    k, v, table = paged_pool(lens, hk, d, 1, torch.bfloat16, seed=3)
+    q = torch.randn(len(lens), hq, d, device=DEVICE).bfloat16()
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, [1] * len(lens))
+    for splits in (1, 4):
+        assert rel_err(decode_attention(q, k, v, table, rows, seq, splits, d**-0.5).cpu(), ref) < 1e-2
+
+
+def test_rms_norm_with_and_without_residual_match_torch() -> None:
+    x = torch.randn(5, 48).to(DEVICE)
+    r = torch.randn(5, 48).to(DEVICE)
+    w = torch.randn(48).to(DEVICE)
+    y, res = rms_norm_residual(x, r, w, 1e-6)
+    assert torch.allclose(res, x + r)
+    # the layers' torch version runs on CPU tensors
+    assert rel_err(y.cpu(), torch_norm.rms_norm((x + r).cpu(), w.cpu(), 1e-6)) < 1e-6
+    # a strided [T, H, D] view, as q/k norm reads the heads out of the qkv projection
+    qkv = torch.randn(3, 5 * 16).to(DEVICE)
+    q = qkv[:, :48].view(3, 3, 16)
+    want = torch_norm.rms_norm(q.cpu(), w[:16].cpu(), 1e-6)
+    assert rel_err(rms_norm(q, w[:16], 1e-6).cpu(), want) < 1e-6
+
+
+def test_silu_and_mul_matches_torch() -> None:
+    x = torch.randn(4, 2 * 40).to(DEVICE)
+    assert rel_err(silu_and_mul(x).cpu(), torch_activation.silu_and_mul(x.cpu())) < 1e-6
+
+
+def test_rotary_in_place_matches_torch() -> None:
+    rope = RotaryEmbedding(16, 64, 10000.0, None)
+    qkv = torch.randn(6, (4 + 2 + 2) * 16)
+    q, k = qkv[:, :64].view(6, 4, 16), qkv[:, 64:96].view(6, 2, 16)
+    pos = torch.tensor([0, 5, 9, 63, 1, 2])
+    ref_q, ref_k = rope(pos, q.clone(), k.clone())  # the torch version, on the CPU
+    qkv = qkv.to(DEVICE)
+    q, k = qkv[:, :64].view(6, 4, 16), qkv[:, 64:96].view(6, 2, 16)
+    apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE))
+    assert rel_err(q.cpu(), ref_q) < 1e-6 and rel_err(k.cpu(), ref_k) < 1e-6
+    assert rel_err(qkv[:, 64:96].view(6, 2, 16).cpu(), ref_k) < 1e-6  # written back into the strided view
+
+
+def test_store_kv_writes_every_slot() -> None:
+    k_cache = torch.full((10, 2, 16), float("nan")).to(DEVICE)
+    v_cache = torch.full((10, 2, 16), float("nan")).to(DEVICE)
+    kv = torch.randn(3, 2 * 2 * 16).to(DEVICE)
+    k, v = kv[:, :32].view(3, 2, 16), kv[:, 32:].view(3, 2, 16)
+    loc = torch.tensor([7, 0, 4], device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, loc)
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
+    assert torch.isnan(k_cache[[1, 2, 3, 5, 6, 8, 9]]).all()
+
+
+def test_sampling_kernel_draws_what_the_torch_sampler_draws() -> None:
+    g = torch.Generator().manual_seed(0)
+    bs, vocab = 6, 1000
+    logits = (torch.randn(bs, vocab, generator=g) * 3).to(DEVICE)
+    temps = torch.tensor([0.0, 0.6, 1.0, 1.5, 0.3, 0.0], device=DEVICE)
+    seeds = torch.tensor([1, 2, 3, 2**62, -5, 7], dtype=torch.int64, device=DEVICE)
+    steps = torch.tensor([10, 11, 0, 5, 999, 3], dtype=torch.int64, device=DEVICE)
+    got = sample_tokens(logits, temps, seeds, steps)
+    # the torch sampler's exponential race with the same hash noise
+    probs = torch.softmax(logits / torch.where(temps > 0, temps, 1.0)[:, None], dim=-1)
+    noise = -torch.log(hash_uniform(seeds, steps, vocab))
+    want = torch.where(temps > 0, torch.argmax(probs / noise, dim=-1), torch.argmax(logits, dim=-1))
+    assert got.tolist() == want.to(torch.int32).tolist()
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [
+        ([3, 1000, 50, 7], None, None),
+        (None, [0.9, 0.7, 0.5, 0.99], None),
+        ([20, 1000, 5, 1000], [0.8, 0.7, 1.0, 0.95], [0.0, 0.05, 0.0, 0.1]),
+    ],
+)
+def test_partial_filter_equals_the_sorting_filter(top_k, top_p, min_p) -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 1000, generator=g) * 4).to(DEVICE)  # peaked: every nucleus fits the window
+
+    def t(values, dtype):
+        return None if values is None else torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    args = (t(top_k, torch.int64), t(top_p, torch.float32), t(min_p, torch.float32))
+    got = filter_logits_partial(logits, *args, window=256)
+    assert got is not None
+    want = filter_logits(logits, *args)
+    assert torch.equal(got > torch.finfo(got.dtype).min, want > torch.finfo(want.dtype).min)
+
+
+def test_partial_filter_declines_a_nucleus_past_its_window() -> None:
+    flat = torch.zeros(2, 1000, device=DEVICE)  # uniform: the 0.9 nucleus holds 900 tokens
+    assert filter_logits_partial(flat, None, torch.tensor([0.9, 0.9], device=DEVICE), None, window=64) is None
