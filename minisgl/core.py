@@ -33,7 +33,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top log-probabilities returned per token (0: the chosen one only); None: off
+    logprobs: int | None = (
+        None  # top log-probabilities returned per token (0: the chosen one only); None: off
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,7 +72,9 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
 

@@ -34,17 +34,20 @@ def _expected(reference: Reference, folder: str) -> list[list[int]]:
     return [r[:n] for r, n in zip(ref, MAX_TOKENS)]
 
 
-@pytest.mark.parametrize("cache_type", ["naive", "radix"])
+CACHES: dict[str, dict[str, Any]] = {"naive": dict(cache_type="naive"), "radix (the default)": {}}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_equal_transformers(
     variant: str,
-    cache_type: str,
+    cache: str,
     tiny_model: Callable[[str], str],
     hf_reference: Reference,
     make_llm: Callable[..., LLM],
 ) -> None:
     folder = tiny_model(variant)
-    llm = make_llm(folder, max_running_req=4, cache_type=cache_type)
+    llm = make_llm(folder, max_running_req=4, **CACHES[cache])
     expected = _expected(hf_reference, folder)
 
     first = llm.generate(PROMPTS, PARAMS)
@@ -56,7 +59,7 @@ def test_greedy_tokens_equal_transformers(
     again = llm.generate(PROMPTS, PARAMS)
     assert [o["token_ids"] for o in again] == expected
     cached = sum(o["cached_tokens"] for o in again)
-    assert cached > 0 if cache_type == "radix" else cached == 0
+    assert cached == 0 if cache == "naive" else cached > 0
     assert_nothing_held(llm)
 
 

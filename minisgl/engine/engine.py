@@ -13,6 +13,7 @@ from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, LogprobsOutput, Sampler
+from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weight import iter_safetensors, load_weights
@@ -45,6 +46,8 @@ class Engine:
         set_log_rank(config.tp_info.rank)
         self.tp_cpu_group = self._init_distributed()
         self.stream = create_stream(self.device)
+        if self.device.type == "cpu" and ENV.CPU_THREADS.value > 0:
+            torch.set_num_threads(ENV.CPU_THREADS.value)
 
         self.model_dir = resolve_model_path(config.model_path)
         self.hf_config = load_hf_config(self.model_dir)
@@ -55,7 +58,9 @@ class Engine:
 
         mc = self.model_config
         self.page_size = config.page_size
-        self.kv_dtype = config.kv_cache_dtype or (config.dtype if self.device.type == "cuda" else torch.float32)
+        self.kv_dtype = config.kv_cache_dtype or (
+            config.dtype if self.device.type == "cuda" else torch.float32
+        )
         self.num_pages = self._num_pages()
         graph_bs = config.cuda_graph_max_bs
         if graph_bs is None:

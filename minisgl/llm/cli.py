@@ -15,8 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate completions offline (no server). Prompts come from the arguments or, with none, stdin (one per line).",
     )
     p.add_argument("prompts", nargs="*", help="prompts to complete")
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the model's chat template"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=-1)

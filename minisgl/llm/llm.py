@@ -152,6 +152,9 @@ class LLM(Scheduler):
             self.run_forever()
         except RequestAllFinished:
             pass
+        except BaseException:
+            self.abort_all()  # an error (or Ctrl-C) mid-run must not leave rows and pages taken
+            raise
         return [self._output(self.status_map[i]) for i in range(len(prompts))]
 
     def chat(

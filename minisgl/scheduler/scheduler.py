@@ -304,6 +304,15 @@ class Scheduler(SchedulerIOMixin):
         self._deferred_slots.clear()
 
     # ---- checks and teardown -------------------------------------------------------------------
+    def abort_all(self) -> None:
+        """Abort every waiting and running request, freeing what each holds (after an error in the loop)."""
+        uids = [p.uid for p in self.prefill_manager.pending_list] + [
+            r.uid for r in self.decode_manager.running_reqs
+        ]
+        for uid in uids:
+            self._abort(uid)
+        self._release_deferred_slots()
+
     def check_integrity(self) -> None:
         """Every KV page is free, cached or held by a running request; every table row is free or in use."""
         self.cache_manager.check_integrity()
