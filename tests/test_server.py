@@ -298,6 +298,31 @@ def test_seeded_sampling_is_reproducible_and_choices_differ(server: Server, mode
     assert other != first[0]
 
 
+SAMPLING_CASES = {
+    "top_k and temperature": dict(temperature=0.9, top_k=20, seed=3),
+    "top_p": dict(temperature=1.0, top_p=0.8, seed=4),
+    "min_p": dict(temperature=1.2, min_p=0.1, seed=5),
+    "presence and frequency penalties": dict(presence_penalty=1.5, frequency_penalty=1.0),
+    "repetition penalty": dict(repetition_penalty=3.0),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_every_sampling_parameter_reaches_the_engine(
+    server: Server, offline: LLM, model_name: str, case: str
+) -> None:
+    params = SAMPLING_CASES[case]
+    want = offline.generate([PROMPT], greedy(24, ignore_eos=True, **params))[0]["text"]
+    plain = offline.generate([PROMPT], greedy(24, ignore_eos=True))[0]["text"]
+    assert want != plain  # the parameter changes the text, so the comparison below means something
+    body: dict[str, Any] = {"temperature": 0, **params, "ignore_eos": True}
+    seed = body.pop("seed", None)
+    got = server.client().completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, seed=seed, extra_body=body
+    )
+    assert got.choices[0].text == want
+
+
 def test_chat_logprobs_are_log_softmax_of_the_chosen_tokens(
     server: Server, offline: LLM, model_name: str
 ) -> None:
@@ -319,6 +344,29 @@ def test_chat_logprobs_are_log_softmax_of_the_chosen_tokens(
         assert entry.logprob == pytest.approx(top[0])  # greedy picks the most likely token
         assert entry.logprob < 0 and sum(2.718281828**t for t in top) <= 1.0 + 1e-5
     assert [e.token for e in content] == [offline.tokenizer.decode([t]) for t in want["token_ids"]]
+
+
+def test_logprobs_come_from_the_raw_logits_whatever_the_temperature(
+    server: Server, offline: LLM, model_dir: str, model_name: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = offline.apply_chat_template(CHAT)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+    top = want.topk(4)
+    got = server.client().chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=1, temperature=1.7, seed=1, logprobs=True, top_logprobs=4
+    )
+    first = got.choices[0].logprobs.content[0]
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert [t.token for t in first.top_logprobs] == [
+        offline.tokenizer.decode([i]) for i in top.indices.tolist()
+    ]
+    # the sampled token need not be the most likely one; its logprob is still its own
+    same_text = [i for i in range(want.numel()) if offline.tokenizer.decode([i]) == first.token]
+    assert any(want[i].item() == pytest.approx(first.logprob, abs=1e-4) for i in same_text)
 
 
 def test_completion_logprobs_stream_and_not_agree(server: Server, model_name: str) -> None:

@@ -168,9 +168,10 @@ def test_store_kv_writes_every_slot() -> None:
     assert torch.isnan(k_cache[[1, 2, 3, 5, 6, 8, 9]]).all()
 
 
-def test_sampling_kernel_draws_what_the_torch_sampler_draws() -> None:
-    g = torch.Generator().manual_seed(0)
-    bs, vocab = 6, 1000
+@pytest.mark.parametrize("vocab", [1000, 20000])  # one chunk a row, and several
+def test_sampling_kernel_draws_what_the_torch_sampler_draws(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    bs = 6
     logits = (torch.randn(bs, vocab, generator=g) * 3).to(DEVICE)
     temps = torch.tensor([0.0, 0.6, 1.0, 1.5, 0.3, 0.0], device=DEVICE)
     seeds = torch.tensor([1, 2, 3, 2**62, -5, 7], dtype=torch.int64, device=DEVICE)
@@ -208,3 +209,20 @@ def test_partial_filter_equals_the_sorting_filter(top_k, top_p, min_p) -> None:
 def test_partial_filter_declines_a_nucleus_past_its_window() -> None:
     flat = torch.zeros(2, 1000, device=DEVICE)  # uniform: the 0.9 nucleus holds 900 tokens
     assert filter_logits_partial(flat, None, torch.tensor([0.9, 0.9], device=DEVICE), None, window=64) is None
+
+
+def test_rotary_with_qk_norm_matches_norm_then_rotary() -> None:
+    from minisgl.layers.norm import RMSNorm
+
+    rope = RotaryEmbedding(16, 64, 10000.0, None)
+    q_norm, k_norm = RMSNorm(16, 1e-6), RMSNorm(16, 1e-6)
+    q_norm.weight.data.normal_(), k_norm.weight.data.normal_()
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    pos = torch.tensor([0, 3, 7, 63, 11])
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    ref_q, ref_k = rope.forward_with_qk_norm(pos, q.clone(), k.clone(), q_norm, k_norm)  # torch, on the CPU
+    qkv = qkv.to(DEVICE)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    weights = (q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6)
+    apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), weights)
+    assert rel_err(q.cpu(), ref_q) < 1e-6 and rel_err(k.cpu(), ref_k) < 1e-6

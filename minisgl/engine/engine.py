@@ -101,6 +101,8 @@ class Engine:
             self.max_seq_len,
             mc.vocab_size,
         )
+        if self.device.type == "cuda":
+            self._warm_up()
         # captured last: the model, the pool and the backend exist, and the warm-up compiles the kernels
         self.graph_runner.capture(self.stream)
         logger.info_rank0(
@@ -163,6 +165,26 @@ class Engine:
                 "no memory is left for the KV cache; lower max_running_req or pass num_page_override"
             )
         return pages
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """A one-token prefill and a sampling step: the Triton kernels compile now, not in the first request."""
+        req = self.graph_runner.dummy_req
+        batch = Batch(reqs=[req], phase="prefill")
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+        batch.input_ids = zeros.to(torch.int32)
+        batch.positions = zeros
+        batch.last_indices = zeros
+        # the pool is empty, so the dummy row's slot (the scratch page with graphs) is free to write
+        batch.out_loc = self.page_table[req.table_idx, :1].to(torch.int64)
+        self.attn_backend.prepare_metadata(batch)
+        with self.ctx.forward_batch(batch):
+            logits = self.model.forward()
+        args = BatchSamplingArgs(
+            greedy=False, temperatures=torch.ones_like(logits[:, :1]), seeds=zeros, steps=zeros
+        )
+        self.sampler.sample(logits, args)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:

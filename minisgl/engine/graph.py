@@ -83,12 +83,17 @@ class GraphRunner:
         """Capture one graph per batch size, largest first so the smaller ones reuse its memory pool."""
         if not self.enabled:
             return
+        try:
+            self.attn_backend.init_capture_graph(self.max_seq_len, self.bs_list)
+        except NotImplementedError as e:
+            logger.info_rank0(f"decode runs without CUDA graphs: {e}")
+            self.enabled = False
+            return
         start = time.perf_counter()
         max_bs = self.max_bs
         self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self.attn_backend.init_capture_graph(self.max_seq_len, self.bs_list)
         ctx = get_global_ctx()
         # the dummy request's one token sits at position 0 of its row: the scratch slot
         self.out_loc.fill_(int(ctx.page_table[self.dummy_table_idx, 0].item()))

@@ -20,14 +20,22 @@ _LOG2E = 1.4426950408889634
 
 @dataclass
 class DecodeConfig:
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    max_splits: int = 16
-    target_programs: int = 264  # about two programs per SM on an H200
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
-DECODE_CONFIG = DecodeConfig()
+# measured on an H200 (docs/benchmarks.md): wide tiles once the batch alone fills the GPU, deeper pipelines below
+WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
+DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
+MAX_SPLITS = 16
+TARGET_PROGRAMS = 264  # about two programs per SM on an H200
+
+
+def decode_config(batch_size: int, num_kv_heads: int) -> DecodeConfig:
+    if DECODE_CONFIG is not None:
+        return DECODE_CONFIG
+    return WIDE if batch_size * num_kv_heads >= 1024 else DEEP
 
 
 @triton.jit
@@ -61,8 +69,9 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
     s = tl.program_id(2)
     row = tl.load(Rows + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
@@ -142,9 +151,8 @@ def _decode_merge_kernel(
 
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
-    cfg = DECODE_CONFIG
-    want = triton.cdiv(cfg.target_programs, max(1, batch_size * num_kv_heads))
-    return max(1, min(cfg.max_splits, want))
+    want = triton.cdiv(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
+    return max(1, min(MAX_SPLITS, want))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -166,7 +174,7 @@ def decode_attention(
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
-    cfg = DECODE_CONFIG
+    cfg = decode_config(bs, hk)
     out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
     split = num_splits > 1
@@ -175,7 +183,7 @@ def decode_attention(
         mid_lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
-    _decode_kernel[(bs, hk, num_splits)](
+    _decode_kernel[(hk, bs, num_splits)](
         q,
         k_cache,
         v_cache,

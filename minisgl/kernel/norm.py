@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for every token count
 def _rms_norm_kernel(
     X,
     R,
@@ -46,7 +46,9 @@ def _rms_norm_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()

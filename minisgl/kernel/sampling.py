@@ -1,5 +1,5 @@
-"""Sampling on the GPU: temperature, noise and argmax in one pass over the logits, and top-k/top-p from a
-partial sort.
+"""Sampling on the GPU: temperature, noise and argmax in one read of the logits (chunks of each row in
+parallel, then a merge of the chunks' winners), and top-k/top-p from a partial sort.
 
 The torch sampler draws token i with probability p_i as argmax p_i / E_i with E_i = -log U_i and U_i
 from a hash of (seed, step, i). Taking logs, that is argmax l_i / T - log(-log U_i): no softmax and no
@@ -17,8 +17,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _sample_kernel(Logits, stride_l, Temps, Seeds, Steps, Out, V, BLOCK: tl.constexpr):
+def _sample_chunk_kernel(
+    Logits,
+    stride_l,
+    Temps,
+    Seeds,
+    Steps,
+    BestV,
+    BestI,
+    V,
+    CHUNK,
+    NUM_CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # each program takes one chunk of one row: a row alone is too long a serial loop for one program
     r = tl.program_id(0)
+    c = tl.program_id(1)
     temp = tl.load(Temps + r)
     seed = tl.load(Seeds + r).to(tl.uint64, bitcast=True)
     step = tl.load(Steps + r).to(tl.uint64, bitcast=True)
@@ -28,9 +42,10 @@ def _sample_kernel(Logits, stride_l, Temps, Seeds, Steps, Out, V, BLOCK: tl.cons
     safe_temp = tl.where(greedy, 1.0, temp)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
-    for off in range(0, V, BLOCK):
+    end = tl.minimum(c * CHUNK + CHUNK, V)
+    for off in range(c * CHUNK, end, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        mask = idx < V
+        mask = idx < end
         logit = tl.load(Logits + r * stride_l + idx, mask=mask, other=float("-inf")).to(tl.float32)
         x = base + idx.to(tl.uint64) * 0xBF58476D1CE4E5B9
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
@@ -38,13 +53,24 @@ def _sample_kernel(Logits, stride_l, Temps, Seeds, Steps, Out, V, BLOCK: tl.cons
         x = x ^ (x >> 31)
         u = ((x >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noisy = tl.div_rn(logit, safe_temp) - tl.log(-tl.log(u))
-        score = tl.where(greedy, logit, noisy)
+        score = tl.where(greedy, logit, tl.where(mask, noisy, float("-inf")))
         better = score > best_v  # strict: each lane keeps its first maximum, as torch.argmax does
         best_v = tl.where(better, score, best_v)
         best_i = tl.where(better, idx, best_i)
     top = tl.max(best_v, 0)
-    token = tl.min(tl.where(best_v == top, best_i, V), 0)
-    tl.store(Out + r, token)
+    tl.store(BestV + r * NUM_CHUNKS + c, top)
+    tl.store(BestI + r * NUM_CHUNKS + c, tl.min(tl.where(best_v == top, best_i, V), 0))
+
+
+@triton.jit
+def _sample_merge_kernel(BestV, BestI, Out, V, NUM_CHUNKS: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, NUM_CHUNKS)
+    v = tl.load(BestV + r * NUM_CHUNKS + c)
+    i = tl.load(BestI + r * NUM_CHUNKS + c)
+    top = tl.max(v, 0)
+    # the lowest index among the maxima: the first occurrence, as torch.argmax picks
+    tl.store(Out + r, tl.min(tl.where(v == top, i, V), 0))
 
 
 def sample_tokens(
@@ -58,17 +84,26 @@ def sample_tokens(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temps = temperatures.reshape(-1).to(torch.float32).contiguous()
-    _sample_kernel[(bs,)](
+    block = min(2048, triton.next_power_of_2(vocab))
+    num_chunks = min(32, triton.next_power_of_2(triton.cdiv(vocab, 4 * block)))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    best_v = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
+    best_i = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
+    _sample_chunk_kernel[(bs, num_chunks)](
         logits,
         logits.stride(0),
         temps,
         seeds.contiguous(),
         steps.contiguous(),
-        out,
+        best_v,
+        best_i,
         vocab,
-        BLOCK=min(4096, triton.next_power_of_2(vocab)),
-        num_warps=8,
+        chunk,
+        NUM_CHUNKS=num_chunks,
+        BLOCK=block,
+        num_warps=4,
     )
+    _sample_merge_kernel[(bs,)](best_v, best_i, out, vocab, NUM_CHUNKS=num_chunks, num_warps=1)
     return out
 
 

@@ -46,7 +46,8 @@ class AttentionLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
         return self.o_proj(out.reshape(-1, q_size))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from minisgl.kernel import use_triton
+from minisgl.layers.norm import RMSNorm
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -49,13 +50,26 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        half = self.head_dim // 2
-        if use_triton(q) and half & (half - 1) == 0:  # the kernel's tiles want D/2 a power of 2
+        if self._fused(q):
             from minisgl.kernel.rotary import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+    def forward_with_qk_norm(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm over each q and k head (Qwen3), then the rotation; one launch on CUDA."""
+        if self._fused(q) and q_norm.eps == k_norm.eps:
+            from minisgl.kernel.rotary import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos_sin, (q_norm.weight, k_norm.weight, q_norm.eps))
+        return self.forward(positions, q_norm(q), k_norm(k))
+
+    def _fused(self, q: torch.Tensor) -> bool:
+        half = self.head_dim // 2
+        return use_triton(q) and half & (half - 1) == 0  # the kernel's tiles want D/2 a power of 2
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

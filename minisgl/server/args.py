@@ -11,7 +11,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.torch_utils import parse_dtype
 
-DEFAULT_PORT = 1919
+DEFAULT_PORT = 30000  # SGLang's
 
 
 @dataclass

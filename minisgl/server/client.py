@@ -67,6 +67,13 @@ class EngineClient:
     def start(self) -> None:
         """Start receiving replies; call from inside the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._receive_loop())
+        self._task.add_done_callback(self._receiver_done)
+
+    def _receiver_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # without the receiver every open request would wait forever
+            logger.error("the reply receiver failed", exc_info=task.exception())
+            self.fail_all(f"the server's reply receiver failed: {task.exception()}")
 
     def submit(self, msgs: list[TokenizeMsg]) -> RequestGroup:
         """Send the requests (their uids are assigned here) and return the group their replies go to."""

@@ -26,7 +26,7 @@ from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.logger import init_logger
-from minisgl.utils.mp import exit_now, init_child_process, ipc_addr
+from minisgl.utils.mp import exit_now, exit_on_sigterm, init_child_process, ipc_addr
 
 logger = init_logger(__name__)
 
@@ -126,7 +126,8 @@ class ServerProcesses:
         self.procs: list[BaseProcess] = []
         self.stopping = False
 
-    def start(self) -> ModelInfo:
+    def start(self, while_waiting: Callable[[], None] | None = None) -> ModelInfo:
+        """Start both processes and wait until they are ready; `while_waiting` runs meanwhile."""
         ctx = mp.get_context("spawn")
         sched_conn, sched_child = ctx.Pipe()
         tok_conn, tok_child = ctx.Pipe()
@@ -140,6 +141,8 @@ class ServerProcesses:
             p.start()
         sched_child.close()
         tok_child.close()
+        if while_waiting is not None:
+            while_waiting()
         info = self._wait_ready(sched_conn, self.procs[0])
         tok_conn.send(info)
         self._wait_ready(tok_conn, self.procs[1])
@@ -208,6 +211,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _import_http_server() -> None:
+    import uvicorn  # noqa: F401
+
+    import minisgl.server.api_server  # noqa: F401
+
+
 def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, info: ServeInfo) -> int:
     import uvicorn
 
@@ -233,13 +242,9 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
     return 1 if failed else 0
 
 
-def _raise_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_exit)  # stop like Ctrl-C does: through the finally below
+    exit_on_sigterm()
     sock: socket.socket | None = None
     procs: ServerProcesses | None = None
     code = 0
@@ -247,7 +252,8 @@ def main(argv: list[str]) -> None:
         if not args.shell:
             sock = _bind(args.host, args.port)
         procs = ServerProcesses(args)
-        model = procs.start()
+        # the server's own imports overlap the children's start-up
+        model = procs.start(while_waiting=None if args.shell else _import_http_server)
         info = ServeInfo(args.model_name, args.model, model.max_seq_len)
         if args.shell:
             from minisgl.server.shell import run_shell

@@ -84,6 +84,12 @@ class TokenizerWorker:
                 except PromptError as e:
                     replies.append(UserReply(msg.uid, "", True, "error", str(e), e.code))
                     continue
+                except Exception as e:  # a request the tokenizer chokes on must not take the worker down
+                    logger.exception(f"request {msg.uid}: tokenizing failed")
+                    replies.append(
+                        UserReply(msg.uid, "", True, "error", f"the prompt could not be tokenized: {e}")
+                    )
+                    continue
                 detokenizer = IncrementalDetokenizer(self.tokenizer, msg.sampling_params.stop)
                 self.requests[msg.uid] = _Request(msg.sampling_params, detokenizer, len(ids))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))

@@ -91,6 +91,11 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C does, through every `finally`, instead of killing the process outright."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
 def exit_now(code: int) -> None:
     """End a child process without the interpreter's teardown, which spends seconds collecting torch's
     and transformers' objects when nothing is left to save."""
@@ -103,7 +108,7 @@ def init_child_process() -> None:
     """Signals of a server child: its parent decides when it stops, and it never outlives the parent."""
     # Ctrl-C in a terminal reaches the whole process group; the parent shuts the children down in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_exit)
+    exit_on_sigterm()
     if sys.platform.startswith("linux"):
         parent = os.getppid()
         pr_set_pdeathsig = 1

@@ -1,0 +1,78 @@
+"""ModelConfig: the few numbers of a Hugging Face config that the engine needs, in one typed record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    # MoE (Qwen3-MoE); zero experts means a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        rope_theta = getattr(hf, "rope_theta", None)
+        rope_scaling = getattr(hf, "rope_scaling", None)
+        params = getattr(hf, "rope_parameters", None)  # transformers >= 5 keeps rope settings here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = dict(params)
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        use_sliding = getattr(hf, "use_sliding_window", True)
+        return cls(
+            architecture=arch,
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            intermediate_size=getattr(hf, "intermediate_size", 0),
+            num_qo_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=arch.startswith("Qwen2") or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch.startswith("Qwen3"),
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            rope_scaling=rope_scaling,
+            sliding_window=getattr(hf, "sliding_window", None) if use_sliding else None,
+            num_experts=getattr(hf, "num_experts", 0) or 0,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,84 @@
+"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (per-head q/k norm) and Mistral share."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.core import get_global_ctx
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; only silu")
+        self.gate_up_proj = LinearColParallelMerged(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = LinearRowParallel(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = AttentionLayer(config, layer_id, rotary)
+        self.mlp = self.build_mlp(config, layer_id)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x = self.self_attn(x, positions)
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layer_cls: type[DecoderLayer]) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions)
+        return self.norm(x + residual) if residual is not None else self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.layer_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self) -> torch.Tensor:
+        """Logits of the last position of every request in the batch being forwarded."""
+        batch = get_global_ctx().batch
+        hidden = self.model(batch.input_ids, batch.positions)
+        if batch.is_prefill:
+            hidden = hidden[batch.last_indices]
+        return self.lm_head(hidden).float()

@@ -1,0 +1,9 @@
+"""Qwen2: the Llama decoder with a bias on the q/k/v projections (set by ModelConfig.attention_bias)."""
+
+from __future__ import annotations
+
+from minisgl.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass

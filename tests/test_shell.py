@@ -1,0 +1,145 @@
+"""The chat shell: replies stream in, the conversation carries over turns, /reset and /exit work.
+
+One test drives ChatShell through prompt_toolkit's pipe input against the real scheduler and
+tokenizer processes; another starts `python -m minisgl --shell` in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pty
+import re
+import select
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from prompt_toolkit import PromptSession
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.server.args import parse_args
+from minisgl.server.client import EngineClient, ServeInfo
+from minisgl.server.launch import ServerProcesses
+from minisgl.server.shell import ChatShell
+
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Callable[[str], str]) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def processes(model_dir: str) -> Iterator[tuple[ServerProcesses, ServeInfo]]:
+    args = parse_args(["--shell", "--model", model_dir, "--dtype", "float32", "--max-running-req", "8"])
+    procs = ServerProcesses(args)
+    try:
+        model = procs.start()
+        yield procs, ServeInfo(args.model_name, args.model, model.max_seq_len)
+    finally:
+        procs.stop()
+
+
+class Recorder:
+    """A text stream that remembers every write, to see that a reply arrives in pieces."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        return "".join(self.writes)
+
+
+async def _drive(shell: ChatShell, pipe: object, lines: list[str]) -> None:
+    """Type each line once the shell has answered the one before."""
+    task = asyncio.create_task(shell.run())
+    for line in lines:
+        turns = len(shell.history)
+        pipe.send_text(line + "\r")  # type: ignore[attr-defined]
+        if line.startswith("/"):
+            await asyncio.sleep(0.2)
+            continue
+        while len(shell.history) < turns + 2 and not task.done():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(task, 60)
+
+
+def test_shell_streams_replies_keeps_history_and_resets(
+    processes: tuple[ServerProcesses, ServeInfo], model_dir: str
+) -> None:
+    procs, info = processes
+    llm = LLM(model_dir, dtype=torch.float32, max_running_req=8)
+    first = [{"role": "user", "content": "hello world"}]
+    reply1 = llm.chat([first], PARAMS)[0]["text"]
+    second = [*first, {"role": "assistant", "content": reply1}, {"role": "user", "content": "and then?"}]
+    reply2 = llm.chat([second], PARAMS)[0]["text"]
+    llm.shutdown()
+
+    out = Recorder()
+
+    async def run() -> ChatShell:
+        client = EngineClient(procs.addrs.requests, procs.addrs.replies)
+        client.start()
+        try:
+            with create_pipe_input() as pipe:
+                session: PromptSession = PromptSession(input=pipe, output=DummyOutput())
+                shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
+                await _drive(shell, pipe, ["hello world", "and then?", "/exit"])
+                history = list(shell.history)
+                shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
+                await _drive(shell, pipe, ["hello world", "/reset", "hello world", "/nope", "/exit"])
+                return history, shell
+        finally:
+            client.close()
+
+    history, shell = asyncio.run(run())
+    assert history == [*second, {"role": "assistant", "content": reply2}]
+    # after /reset the same question gets the first answer again: the history is gone
+    assert shell.history == [*first, {"role": "assistant", "content": reply1}]
+    assert out.text.count(reply1) >= 3 and reply2 in out.text
+    assert "(new conversation)" in out.text and "unknown command /nope" in out.text
+    pieces = [w for w in out.writes if w and w in reply1]
+    assert len(pieces) > 1  # the reply was written as it streamed, not at once
+
+
+def _read_until(fd: int, pattern: str, timeout: float) -> str:
+    out = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                out += os.read(fd, 4096).decode(errors="replace")
+            except OSError:
+                break
+            if re.search(pattern, out):
+                return out
+    raise AssertionError(f"{pattern!r} did not appear; the terminal showed:\n{out}")
+
+
+def test_shell_command_runs_in_a_terminal_and_exits_cleanly(model_dir: str) -> None:
+    cmd = [sys.executable, "-m", "minisgl", "--shell", "--model", model_dir, "--dtype", "float32"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the shell, on the pseudo-terminal
+        os.execvpe(cmd[0], cmd, {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"})
+    try:
+        # the banner, then the prompt (drawn with escape sequences, so only its ">" is looked for)
+        _read_until(fd, r"chatting with llama\w*\. /reset[^\n]*\n[\s\S]*>", 240)
+        os.write(fd, b"/exit\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
