@@ -210,6 +210,27 @@ def test_streamed_chat_equals_offline_greedy_text_and_ends_with_usage(
     assert chunks[-1].usage.prompt_tokens == want["prompt_tokens"]
 
 
+def test_streamed_choices_of_n_arrive_interleaved_and_each_finishes(
+    server: Server, offline: LLM, model_name: str
+) -> None:
+    want = offline.chat([CHAT], greedy(10, ignore_eos=True))[0]["text"]
+    stream = server.client().chat.completions.create(
+        model=model_name,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts, reasons = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [want, want] and reasons == ["length", "length"]
+
+
 def test_sse_stream_ends_with_done(server: Server) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True}).encode()
     status, text = server.request("POST", "/v1/completions", body)

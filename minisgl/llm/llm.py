@@ -95,6 +95,8 @@ class LLM(Scheduler):
     def offline_send_result(self, reply: list[DetokenizeMsg]) -> None:
         for msg in reply:
             status = self.status_map[msg.uid]
+            if status.finish_reason is not None:
+                continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
             # EOS and stop token ids end the request but are not part of its output, as in the OpenAI API
