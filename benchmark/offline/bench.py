@@ -74,18 +74,25 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
     outputs = llm.generate(work.prompts, params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o["token_ids"]) for o in outputs)
-    assert produced == work.output_tokens, f"minisgl produced {produced} tokens, expected {work.output_tokens}"
+    assert produced == work.output_tokens, (
+        f"minisgl produced {produced} tokens, expected {work.output_tokens}"
+    )
     model_dir = llm.engine.model_dir
+    dtype = str(llm.engine.config.dtype).removeprefix("torch.")
     llm.shutdown()
-    return Result(f"minisgl ({args.dtype})", elapsed, produced), model_dir
+    return Result(f"minisgl ({dtype})", elapsed, produced), model_dir
 
 
-def run_hf_static(model_dir: str, work: Workload, dtype: torch.dtype, batch: int, temperature: float) -> Result:
+def run_hf_static(
+    model_dir: str, work: Workload, dtype: torch.dtype, batch: int, temperature: float
+) -> Result:
     """transformers `generate` over batches of `batch` requests, left-padded; each batch runs to its longest output."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    sample = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    sample = (
+        dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    )
     order = sorted(range(len(work.prompts)), key=lambda i: len(work.prompts[i]))  # less padding: a fair peer
     start = time.perf_counter()
     for b in range(0, len(order), batch):
@@ -100,7 +107,13 @@ def run_hf_static(model_dir: str, work: Workload, dtype: torch.dtype, batch: int
         new = max(work.output_lens[i] for i in idx)
         with torch.inference_mode():
             model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0, **sample
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+                **sample,
             )
     elapsed = time.perf_counter() - start
     name = f"transformers generate ({str(dtype).removeprefix('torch.')}, batch {batch})"
@@ -109,19 +122,23 @@ def run_hf_static(model_dir: str, work: Workload, dtype: torch.dtype, batch: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
     p.add_argument("--peer-batch", type=int, default=0, help="CPU peer batch size (0: all requests at once)")
-    p.add_argument("--peer-requests", type=int, default=0, help="CUDA peer: the first N requests only (0: all)")
+    p.add_argument(
+        "--peer-requests", type=int, default=0, help="CUDA peer: the first N requests only (0: all)"
+    )
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,7 +13,7 @@ from minisgl.distributed import DistributedInfo
 class EngineConfig:
     model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
     tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype | None = None  # None: bf16 on CUDA and on CPUs with bf16 hardware, else float32
     # None: the model dtype on CUDA; float32 on a CPU, where half-precision attention kernels are several times slower
     kv_cache_dtype: torch.dtype | None = None
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA where there is one

@@ -20,7 +20,7 @@ from minisgl.models.weight import iter_safetensors, load_weights
 from minisgl.utils.hf import load_hf_config, resolve_model_path
 from minisgl.utils.logger import init_logger, set_log_rank
 from minisgl.utils.misc import align_up, div_ceil
-from minisgl.utils.torch_utils import CopyDone, create_stream, default_device
+from minisgl.utils.torch_utils import CopyDone, create_stream, default_device, resolve_dtype
 
 logger = init_logger(__name__)
 
@@ -41,6 +41,7 @@ class Engine:
         config.validate()
         self.config = config
         self.device = torch.device(config.device) if config.device else default_device()
+        config.dtype = resolve_dtype(config.dtype, self.device)
         self.tp_info = config.tp_info
         set_tp_info(config.tp_info)
         set_log_rank(config.tp_info.rank)

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     p.add_argument("--max-running-req", type=int, default=256)
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])

@@ -50,7 +50,7 @@ class LLM(Scheduler):
     """
 
     def __init__(
-        self, model_path: str | None = None, dtype: torch.dtype | str = torch.bfloat16, **kwargs: Any
+        self, model_path: str | None = None, dtype: torch.dtype | str | None = "auto", **kwargs: Any
     ):
         config = SchedulerConfig(
             model_path=model_path,

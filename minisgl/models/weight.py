@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -30,7 +30,9 @@ _MERGED = {
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}; pass a Hugging Face model folder or a .gguf file")
+        raise FileNotFoundError(
+            f"no *.safetensors files in {folder}; pass a Hugging Face model folder or a .gguf file"
+        )
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -78,7 +80,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             filled.add(target_name)
             continue
         if param.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
+            )
         param.data.copy_(tensor)
         filled.add(target_name)
     _check_filled(model, modules, params, filled)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from typing import Any
@@ -20,12 +21,35 @@ _DTYPES = {
 }
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype from its name; "auto" (or None) stays None, resolved once the device is known."""
+    if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return None
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(set(_DTYPES))}")
+        raise ValueError(f"dtype={dtype!r} is not supported; use auto or one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); without it bf16 matmuls are emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The model dtype for "auto": bf16 on CUDA and on CPUs with bf16 hardware, float32 on other CPUs."""
+    if dtype is not None:
+        return dtype
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 def default_device() -> torch.device:
