@@ -6,11 +6,11 @@ client sends its next request as soon as the last one ends). The workload is the
 server: text prompts of random common words (random.seed(0)), a fixed number of output tokens
 (ignore_eos for minisgl, min_tokens for llama.cpp), greedy.
 
-By default the script starts each server itself, one after the other, on the embedded model
-(SmolLM2-135M-Instruct; llama.cpp reads the same GGUF file), and stops it after its sweep:
+By default the script starts every server itself on the embedded model (SmolLM2-135M-Instruct;
+llama.cpp reads the same GGUF file) and runs each level on each server in turn:
     python benchmark/online/bench.py --servers minisgl,llama.cpp --llama-cpp-python /path/to/python
 or measures a server that is already running:
-    python benchmark/online/bench.py --base-url http://127.0.0.1:1919 --name mine
+    python benchmark/online/bench.py --base-url http://127.0.0.1:30000 --name mine
 """
 
 from __future__ import annotations
@@ -211,18 +211,30 @@ def count_tokens(prompts: list[str]) -> int:
     return sum(len(_tokenizer().encode(p, add_special_tokens=False)) for p in prompts)
 
 
-def sweep(base_url: str, model: str, server: str, args: argparse.Namespace) -> list[LevelResult]:
+@dataclass
+class Target:
+    name: str
+    base_url: str
+    model: str
+
+
+def sweep(targets: list[Target], args: argparse.Namespace) -> list[LevelResult]:
+    """Every level on every server in turn, so load from elsewhere on the machine hits them alike."""
     results = []
     warmup = make_prompts(2, args.input_words, seed=args.seed + 1)
-    asyncio.run(run_level(base_url, model, server, warmup, 0, 8, 2))
+    for t in targets:
+        asyncio.run(run_level(t.base_url, t.model, t.name, warmup, 0, 8, 2))
     for concurrency in args.concurrency:
         num = max(args.min_requests, args.requests_per_level * concurrency)
         prompts = make_prompts(num, args.input_words, seed=args.seed)
-        level = asyncio.run(
-            run_level(base_url, model, server, prompts, count_tokens(prompts), args.output_len, concurrency)
-        )
-        print_row(level.summary())
-        results.append(level)
+        for t in targets:
+            level = asyncio.run(
+                run_level(
+                    t.base_url, t.model, t.name, prompts, count_tokens(prompts), args.output_len, concurrency
+                )
+            )
+            print_row(level.summary())
+            results.append(level)
     return results
 
 
@@ -265,19 +277,23 @@ def main() -> None:
     p.add_argument("--json", help="append every level's figures to this JSON-lines file")
     args = p.parse_args()
 
-    results: list[LevelResult] = []
     print(HEADER, flush=True)
     if args.base_url:
         base_url = args.base_url.rstrip("/")
-        results += sweep(base_url, _wait_ready(base_url), args.name, args)
+        results = sweep([Target(args.name, base_url, _wait_ready(base_url))], args)
     else:
-        for name in args.servers.split(","):
-            port = _free_port()
-            base_url = f"http://127.0.0.1:{port}"
-            proc = subprocess.Popen(server_command(name, port, args), stdout=subprocess.DEVNULL)
-            try:
-                results += sweep(base_url, _wait_ready(base_url, proc), name, args)
-            finally:
+        # every server is started first and stays up (idle servers take no CPU) for the interleaved sweep
+        procs: list[subprocess.Popen] = []
+        try:
+            targets = []
+            for name in args.servers.split(","):
+                port = _free_port()
+                base_url = f"http://127.0.0.1:{port}"
+                procs.append(subprocess.Popen(server_command(name, port, args), stdout=subprocess.DEVNULL))
+                targets.append(Target(name, base_url, _wait_ready(base_url, procs[-1])))
+            results = sweep(targets, args)
+        finally:
+            for proc in procs:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(60)
     if args.json:
