@@ -33,9 +33,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = (
-        None  # top log-probabilities returned per token (0: the chosen one only); None: off
-    )
+    logprobs: int | None = None  # top log-probabilities per token (0: the chosen one only); None: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -37,7 +37,8 @@ class Server:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(READY_TIMEOUT_S) or not self.url:
             self.proc.kill()
             raise RuntimeError("the server did not start:\n" + self.log)
@@ -88,7 +89,15 @@ class Server:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 60) -> int:
+        """The exit code, once the server has exited and its log is read to the end."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return code
 
 
 def _descendants(pid: int) -> set[int]:
@@ -622,7 +631,7 @@ def test_a_dead_worker_takes_the_server_down_with_a_log_line(model_dir: str) -> 
     s = Server(["--model", model_dir, *SERVER_ARGS])
     scheduler = int(re.search(r"scheduler \(pid (\d+)\)", s.log).group(1))
     os.kill(scheduler, signal.SIGKILL)
-    assert s.proc.wait(60) == 1
+    assert s.wait(60) == 1
     assert re.search(r"the scheduler process \(pid \d+\) was killed by SIGKILL; shutting down", s.log)
     assert _wait_gone(s.children) == set()
 

@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
     engine = p.add_argument_group("engine", "left out: the engine's default for the device")
-    engine.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    engine.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and activations"
+    )
     engine.add_argument("--max-running-req", type=_positive, help="requests decoded at once")
     engine.add_argument("--page-size", type=_positive, help="tokens per KV page")
     engine.add_argument("--cache-type", choices=["radix", "naive"], help="prefix cache (naive: none)")

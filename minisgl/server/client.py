@@ -57,7 +57,7 @@ class RequestGroup:
 class EngineClient:
     def __init__(self, requests_addr: str, replies_addr: str) -> None:
         self._to_worker = ZmqPushQueue(requests_addr)
-        self._from_worker = ZmqAsyncPullQueue(replies_addr, bind=True)
+        self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
         self._next_uid = 0
         self._task: asyncio.Task[None] | None = None

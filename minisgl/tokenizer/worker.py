@@ -19,7 +19,7 @@ from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, Toke
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.tokenizer.tokenize import PromptError, TokenizeManager
 from minisgl.utils.logger import init_logger
-from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
 
 logger = init_logger(__name__)
 
@@ -53,8 +53,8 @@ class TokenizerWorker:
 
     def __post_init__(self) -> None:
         self.tokenize_manager = TokenizeManager(self.tokenizer, self.max_seq_len, self.vocab_size)
-        self._from_api = ZmqPullQueue(self.addrs.requests, bind=True)
-        self._from_scheduler = ZmqPullQueue(self.addrs.detokenize, bind=True)
+        self._from_api = ZmqPullQueue(self.addrs.requests)
+        self._from_scheduler = ZmqPullQueue(self.addrs.detokenize)
         self._to_api = ZmqPushQueue(self.addrs.replies)
         self._to_scheduler = ZmqPushQueue(self.addrs.backend)
 
@@ -63,7 +63,7 @@ class TokenizerWorker:
         poller.register(self._from_api.socket, zmq.POLLIN)
         poller.register(self._from_scheduler.socket, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(500))  # wakes now and then so a SIGTERM is acted on
+            ready = dict(poller.poll(POLL_MS))
             if self._from_api.socket in ready:
                 self._handle_api(self._from_api.drain())
             if self._from_scheduler.socket in ready:

@@ -17,18 +17,18 @@ import zmq.asyncio
 
 from minisgl.message.utils import deserialize, serialize
 
-_POLL_MS = 500  # a blocking wait wakes this often, so signals are handled promptly
+POLL_MS = 500  # a blocking wait wakes this often, so signals are handled promptly
 
 
 def ipc_addr(folder: str, name: str) -> str:
     return f"ipc://{os.path.join(folder, name)}"
 
 
-def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # closing never waits for a peer that is gone
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)  # never drop or block on bursts
-    if bind:
+    if kind == zmq.PULL:
         sock.bind(addr)
     else:
         sock.connect(addr)
@@ -36,8 +36,8 @@ def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
 
 
 class ZmqPushQueue:
-    def __init__(self, addr: str, bind: bool = False) -> None:
-        self.socket = _socket(zmq.Context.instance(), zmq.PUSH, addr, bind)
+    def __init__(self, addr: str) -> None:
+        self.socket = _socket(zmq.Context.instance(), zmq.PUSH, addr)
 
     def put(self, obj: Any) -> None:
         self.socket.send(serialize(obj), copy=False)
@@ -47,12 +47,12 @@ class ZmqPushQueue:
 
 
 class ZmqPullQueue:
-    def __init__(self, addr: str, bind: bool = True) -> None:
-        self.socket = _socket(zmq.Context.instance(), zmq.PULL, addr, bind)
+    def __init__(self, addr: str) -> None:
+        self.socket = _socket(zmq.Context.instance(), zmq.PULL, addr)
 
     def get(self) -> Any:
         """The next message, waiting as long as it takes."""
-        while not self.socket.poll(_POLL_MS):
+        while not self.socket.poll(POLL_MS):
             pass
         return deserialize(self.socket.recv())
 
@@ -76,9 +76,9 @@ class ZmqPullQueue:
 class ZmqAsyncPullQueue:
     """A PULL queue for an asyncio event loop (the API server's)."""
 
-    def __init__(self, addr: str, bind: bool = True) -> None:
+    def __init__(self, addr: str) -> None:
         ctx = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying)
-        self.socket = _socket(ctx, zmq.PULL, addr, bind)
+        self.socket = _socket(ctx, zmq.PULL, addr)
 
     async def get(self) -> Any:
         return deserialize(await self.socket.recv())
