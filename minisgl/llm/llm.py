@@ -12,6 +12,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 
 Prompt = str | list[int]
@@ -171,10 +172,7 @@ class LLM(Scheduler):
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_template_ids(self.tokenizer, messages)
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:
         text = self.tokenizer.decode(status.output_ids, skip_special_tokens=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.message.frontend import TokenizeMsg
+from minisgl.utils.hf import chat_template_ids
 
 
 class PromptError(ValueError):
@@ -52,9 +53,6 @@ class TokenizeManager:
                 "no_chat_template",
             )
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return chat_template_ids(self.tokenizer, messages)
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise PromptError(f"the chat template refused these messages: {e}", "invalid_messages") from e
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]

@@ -56,3 +56,11 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
     add(getattr(hf_config, "eos_token_id", None))
     add(getattr(tokenizer, "eos_token_id", None))
     return ids
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending with the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
