@@ -24,17 +24,15 @@ llm = LLM(
     max_seq_len_override=512,
     cache_type="naive",
 )
-orig = llm._forward
 
 
-def traced(fi):
-    b = fi.batch
-    detail = ", ".join(f"uid{r.uid}:{r.extend_len}" for r in b.reqs)
-    print(f"  {b.phase:<7} bs={b.size}  tokens={len(b.positions):<3} [{detail}]")
-    return orig(fi)
+def traced(b):
+    if b is not None:
+        detail = ", ".join(f"uid{r.uid}:{r.extend_len}" for r in b.reqs)
+        print(f"  {b.phase:<7} bs={b.size}  tokens={len(b.positions):<3} [{detail}]")
 
 
-llm._forward = traced
+llm.step_observers.append(traced)
 prompts = [
     "The capital of France is",
     "List three prime numbers:",

@@ -17,23 +17,39 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class RequestError(ValueError):
+    """A request minisgl will not run, with what to change; `param` names the field at fault, `code`
+    is the OpenAI-style error code the API server reports."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _param(default: Any, help: str) -> Any:
+    # the help text is the one description of a field: the CLI and the API models are built from it
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops. Defaults follow the OpenAI API (temperature 0 is greedy)."""
 
-    max_tokens: int = 1024
-    temperature: float = 0.0
-    top_k: int = -1  # -1 (or 0) turns it off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top log-probabilities per token (0: the chosen one only); None: off
+    max_tokens: int = _param(1024, "most tokens to generate (cut to what the context length leaves)")
+    temperature: float = _param(0.0, "softmax temperature; 0 is greedy")
+    top_k: int = _param(-1, "sample among the k most likely tokens; -1 or 0 turns it off")
+    top_p: float = _param(1.0, "sample from the smallest set of tokens whose probability reaches p")
+    min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one")
+    seed: int | None = _param(None, "seed of the sampling noise: the same seed gives the same tokens")
+    ignore_eos: bool = _param(False, "keep generating after an end-of-sequence token")
+    stop: list[str] = _param([], "strings that end the output (not included in it)")
+    stop_token_ids: list[int] = _param([], "token ids that end the output (not included in it)")
+    presence_penalty: float = _param(0.0, "subtracted once from the logit of every generated token")
+    frequency_penalty: float = _param(0.0, "subtracted per occurrence from the logit of generated tokens")
+    repetition_penalty: float = _param(1.0, "divides the logits of every token seen so far; 1 turns it off")
+    logprobs: int | None = _param(None, "top log-probabilities per token (0: the chosen one); None: off")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,22 +58,25 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def validate(self) -> None:
-        """Raise ValueError naming the parameter and the range it must be in."""
+        """Raise RequestError naming the parameter and the range it must be in."""
 
-        def bad(name: str, want: str) -> ValueError:
-            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {want}")
+        def bad(name: str, want: str) -> RequestError:
+            return RequestError(f"{name}={getattr(self, name)!r} is invalid: {want}", name)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "it must be an integer >= 1")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+        if not (self.temperature >= 0.0):
             raise bad("temperature", "it must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "it must be an integer >= 1, or -1 / 0 to turn it off")
         if not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "it must be in (0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "it must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "it must be an integer or None")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise bad("presence_penalty", "it must be in [-2, 2]")
@@ -67,13 +86,9 @@ class SamplingParams:
             raise bad("repetition_penalty", "it must be > 0 (1 turns it off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "each stop string must be a non-empty string")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= 20
-        ):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
 
     @property
@@ -171,15 +186,15 @@ class ChunkedReq(Req):
 class Batch:
     reqs: list[Req]
     phase: Literal["prefill", "decode"]
-    # filled in by the scheduler and the engine before the forward pass
+    # filled in by Engine.prepare_batch before the forward pass
     input_ids: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     out_loc: torch.Tensor = field(init=False)
-    last_indices: torch.Tensor = field(
-        init=False
-    )  # in a prefill, the packed index of each request's last token
+    # in a prefill, the packed index of each request's last token
+    last_indices: torch.Tensor = field(init=False)
     attn_metadata: Any = field(init=False, default=None)
-    padded_reqs: list[Req] = field(init=False)  # reqs plus dummy rows that pad a CUDA-graph batch
+    # reqs plus dummy rows that pad a CUDA-graph batch
+    padded_reqs: list[Req] = field(init=False)
 
     def __post_init__(self) -> None:
         self.padded_reqs = self.reqs

@@ -125,17 +125,16 @@ def test_abort_of_an_inflight_prefill_under_overlap_frees_everything_once(
     folder = tiny_model("llama")
     prompts = random_prompts(6, seed=2, max_len=40)
     llm = gpu_llm(make_llm, folder, max_running_req=4, cache_type="radix")
-    launch, aborted = llm._forward, []
+    aborted = []
 
-    def forward_then_abort(forward_input):
-        output = launch(forward_input)
-        if forward_input.batch.is_prefill and not aborted:
-            # arrives while this prefill is still in flight: its result must be dropped, its locks released once
-            aborted.append(forward_input.batch.reqs[0].uid)
+    def abort_first_prefill(batch):
+        if batch is not None and batch.is_prefill and not aborted:
+            # arrives while this prefill is in flight (aborts are taken at the next receive, after the
+            # launch): its result must be dropped, its locks released once
+            aborted.append(batch.reqs[0].uid)
             llm.abort(aborted[0])
-        return output
 
-    llm._forward = forward_then_abort
+    llm.step_observers.append(abort_first_prefill)
     out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert out[aborted[0]]["finish_reason"] == "abort"
     assert all(len(o["token_ids"]) == 8 for i, o in enumerate(out) if i != aborted[0])

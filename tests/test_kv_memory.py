@@ -39,16 +39,13 @@ def build(make_llm: Callable[..., LLM]) -> Callable[..., LLM]:
 
     def make(folder: str, **kwargs: Any) -> LLM:
         llm = make_llm(folder, **kwargs)
-        schedule = llm._schedule_next_batch
         idle = [0]
 
-        def guarded() -> Any:
-            forward_input = schedule()
-            idle[0] = 0 if forward_input is not None else idle[0] + 1
+        def guarded(batch: Batch | None) -> None:
+            idle[0] = 0 if batch is not None else idle[0] + 1
             assert idle[0] < 1000, "requests are waiting but none is ever admitted"
-            return forward_input
 
-        llm._schedule_next_batch = guarded  # type: ignore[method-assign]
+        llm.step_observers.append(guarded)
         return llm
 
     return make
@@ -60,13 +57,7 @@ def greedy(n: int) -> SamplingParams:
 
 def on_forward(llm: LLM, action: Callable[[Batch], None]) -> None:
     """Call action(batch) before every forward pass of llm (to abort a request at a chosen step)."""
-    forward = llm._forward
-
-    def wrapped(forward_input: Any) -> Any:
-        action(forward_input.batch)
-        return forward(forward_input)
-
-    llm._forward = wrapped  # type: ignore[method-assign]
+    llm.step_observers.append(lambda batch: batch is not None and action(batch))
 
 
 def assert_no_cache_locks(llm: LLM) -> None:

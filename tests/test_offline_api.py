@@ -14,7 +14,7 @@ import torch
 from conftest import Reference
 from tiny import assert_nothing_held, random_prompts
 
-from minisgl.core import SamplingParams
+from minisgl.core import Batch, SamplingParams
 from minisgl.env import ENV
 from minisgl.llm import LLM
 
@@ -40,14 +40,12 @@ def greedy(n: int) -> SamplingParams:
 def _trace(llm: LLM) -> list[tuple[str, list[tuple[int, int]]]]:
     """Record every scheduled batch as (phase, [(uid, tokens computed), ...]), as the chapter's example prints it."""
     trace: list[tuple[str, list[tuple[int, int]]]] = []
-    forward = llm._forward
 
-    def traced(forward_input: Any) -> Any:
-        batch = forward_input.batch
-        trace.append((batch.phase, [(r.uid, r.extend_len) for r in batch.reqs]))
-        return forward(forward_input)
+    def traced(batch: Batch | None) -> None:
+        if batch is not None:
+            trace.append((batch.phase, [(r.uid, r.extend_len) for r in batch.reqs]))
 
-    llm._forward = traced  # type: ignore[method-assign]
+    llm.step_observers.append(traced)
     return trace
 
 

@@ -41,7 +41,7 @@ def processes(model_dir: str) -> Iterator[tuple[ServerProcesses, ServeInfo]]:
     procs = ServerProcesses(args)
     try:
         model = procs.start()
-        yield procs, ServeInfo(args.model_name, args.model, model.max_seq_len)
+        yield procs, ServeInfo(args.model_name, args.model, model.limits.max_seq_len)
     finally:
         procs.stop()
 

@@ -286,10 +286,11 @@ def e2e(model_dir: str, num: int) -> dict[str, Any]:
     forward = llm.engine.forward_batch
     events: list[tuple[str, int, Any, Any]] = []
 
-    def timed(batch: Any, args: Any) -> Any:
+    def timed(forward_input: Any) -> Any:
+        batch = forward_input.batch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = forward(batch, args)
+        result = forward(forward_input)
         end.record()
         events.append((batch.phase, batch.size, start, end))
         return result

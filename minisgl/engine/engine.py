@@ -12,6 +12,13 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.prepare import (
+    ForwardInput,
+    make_input_tuple,
+    make_last_indices,
+    make_positions,
+    make_write_tuple,
+)
 from minisgl.engine.sample import BatchSamplingArgs, LogprobsOutput, Sampler
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -30,10 +37,8 @@ class ForwardOutput:
     next_tokens_gpu: torch.Tensor
     next_tokens_cpu: torch.Tensor
     copy_done: CopyDone
-    logprobs: LogprobsOutput | None = None  # on the CPU; only when a request of the batch asks
-
-    def __iter__(self):  # unpacks as (gpu, cpu, copy_done), as the scheduler reads it
-        return iter((self.next_tokens_gpu, self.next_tokens_cpu, self.copy_done))
+    # on the CPU; only when a request of the batch asks
+    logprobs: LogprobsOutput | None = None
 
 
 class Engine:
@@ -86,6 +91,8 @@ class Engine:
         )
         if use_graphs:
             self.page_table[config.max_running_req].fill_(self.num_pages * self.page_size)
+        # token_pool[row, pos] is the token at position pos of the request in that row, kept on the device
+        self.token_pool = torch.zeros_like(self.page_table)
         self.attn_backend = create_attn_backend(
             config.attention_backend, self.kv_cache, self.page_table, self.device
         )
@@ -187,16 +194,35 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
+    def prepare_batch(self, batch: Batch) -> ForwardInput:
+        """Everything the forward pass of `batch` reads, built on the host and queued to the device.
+
+        The batch's KV pages must be allocated (the scheduler's cache manager) before this call.
+        """
+        self.graph_runner.pad_batch(batch)
+        batch.positions = make_positions(batch, self.device)
+        input_mapping = make_input_tuple(batch, self.device)
+        write_mapping = make_write_tuple(batch, self.device)
+        batch.out_loc = self.page_table[input_mapping].to(torch.int64)
+        if batch.is_prefill:
+            batch.last_indices = make_last_indices(batch, self.device)
+        self.attn_backend.prepare_metadata(batch)
+        sample_args = self.sampler.prepare(batch, self.token_pool)
+        return ForwardInput(batch, sample_args, input_mapping, write_mapping)
+
     @torch.inference_mode()
-    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+    def forward_batch(self, forward_input: ForwardInput) -> ForwardOutput:
+        """Run one step: inputs gathered from the token pool, samples written back to it, on the device."""
+        batch, args = forward_input.batch, forward_input.sample_args
+        batch.input_ids = self.token_pool[forward_input.input_mapping]
         with self.ctx.forward_batch(batch):
             if self.graph_runner.can_use(batch):
                 logits = self.graph_runner.replay(batch)
             else:
                 logits = self.model.forward()
-        for req in batch.reqs:
-            req.complete_one()
         next_tokens = self.sampler.sample(logits[: batch.size], args)
+        # the sample is the next step's input: the CPU never has to know it to launch that step
+        self.token_pool[forward_input.write_mapping] = next_tokens
         non_blocking = self.device.type == "cuda"
         logprobs = None
         if args.top_logprobs is not None:
@@ -214,7 +240,7 @@ class Engine:
                 dist.destroy_process_group()
         if hasattr(self, "graph_runner"):
             self.graph_runner.destroy()
-        for name in ("model", "kv_cache", "page_table", "attn_backend", "ctx", "graph_runner"):
+        for name in ("model", "kv_cache", "page_table", "token_pool", "attn_backend", "ctx", "graph_runner"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()

@@ -12,6 +12,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 
@@ -26,8 +27,8 @@ class RequestAllFinished(Exception):
 class RequestStatus:
     uid: int
     input_ids: list[int]
-    output_ids: list[int]
-    sampling_params: SamplingParams | None = None
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
@@ -35,10 +36,9 @@ class RequestStatus:
 
 @dataclass
 class _Pending:
-    prompt: Prompt
-    sampling_params: SamplingParams
     uid: int
-    input_ids: list[int] = field(default_factory=list)
+    input_ids: list[int]
+    sampling_params: SamplingParams
 
 
 class LLM(Scheduler):
@@ -63,7 +63,6 @@ class LLM(Scheduler):
         super().__init__(config)
         self.pending_requests: list[_Pending] = []
         self.status_map: dict[int, RequestStatus] = {}
-        self.counter = 0
         self._abort_queue: list[int] = []
 
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
@@ -71,13 +70,13 @@ class LLM(Scheduler):
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
-    def offline_receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
+    def receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
         aborts = set(self._abort_queue)
         self._abort_queue.clear()
         # a request not yet handed to the scheduler holds nothing there: it is answered here
         unsent = aborts & {p.uid for p in self.pending_requests}
         self.pending_requests = [p for p in self.pending_requests if p.uid not in unsent]
-        self.offline_send_result([DetokenizeMsg(uid, -1, True, "abort") for uid in sorted(unsent)])
+        self.send_result([DetokenizeMsg(uid, -1, True, "abort") for uid in sorted(unsent)])
         results: list[BaseBackendMsg] = [AbortBackendMsg(uid) for uid in sorted(aborts - unsent)]
         if blocking and not self.pending_requests and not results:
             raise RequestAllFinished()
@@ -93,28 +92,20 @@ class LLM(Scheduler):
         self.pending_requests = self.pending_requests[added:]
         return results
 
-    def offline_send_result(self, reply: list[DetokenizeMsg]) -> None:
+    def send_result(self, reply: list[DetokenizeMsg]) -> None:
         for msg in reply:
             status = self.status_map[msg.uid]
             if status.finish_reason is not None:
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
-            # EOS and stop token ids end the request but are not part of its output, as in the OpenAI API
-            if msg.next_token >= 0 and not (
-                msg.finished and msg.finish_reason == "stop" and self._is_stop_token(msg)
-            ):
-                status.output_ids.append(msg.next_token)
-            if msg.finished:
-                status.finish_reason = msg.finish_reason
-                status.error = msg.error
-
-    def _is_stop_token(self, msg: DetokenizeMsg) -> bool:
-        params = self.status_map[msg.uid].sampling_params
-        assert params is not None
-        return msg.next_token in params.stop_token_ids or (
-            not params.ignore_eos and msg.next_token in self.eos_token_ids
-        )
+            step = status.detokenizer.step(msg)
+            if step.output_token is not None:
+                status.output_ids.append(step.output_token)
+            if step.abort:
+                self._abort_queue.append(msg.uid)
+            if step.finished:
+                status.finish_reason, status.error = step.finish_reason, msg.error
 
     def abort(self, uid: int) -> None:
         """Abort request `uid` of the running generate call (from a callback or another thread)."""
@@ -142,15 +133,13 @@ class LLM(Scheduler):
             )
         for sp in sampling_params:
             sp.validate()
-        self.pending_requests, self.status_map, self.counter = [], {}, 0
+        self.pending_requests, self.status_map = [], {}
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            # copy it every time: the scheduler may change max_tokens
-            params = SamplingParams(**vars(sp))
             input_ids = self._tokenize_one(prompt)
-            self.pending_requests.append(_Pending(prompt, params, uid, input_ids))
-            self.status_map[uid] = RequestStatus(uid, input_ids, [], params)
-        self.counter = len(prompts)
+            self.pending_requests.append(_Pending(uid, input_ids, sp))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, streaming=False)
+            self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
         try:
             self.run_forever()
         except RequestAllFinished:
@@ -175,14 +164,8 @@ class LLM(Scheduler):
         return chat_template_ids(self.tokenizer, messages)
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:
-        text = self.tokenizer.decode(status.output_ids, skip_special_tokens=True)
-        params = status.sampling_params
-        if params is not None and params.stop and status.finish_reason == "stop":
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
         return {
-            "text": text,
+            "text": status.detokenizer.text,
             "token_ids": list(status.output_ids),
             "finish_reason": status.finish_reason,
             "error": status.error,

@@ -29,9 +29,8 @@ class TokenLogprob:
     token_id: int
     token: str
     logprob: float
-    top: list[TokenLogprob] = field(
-        default_factory=list
-    )  # the most likely tokens at this position, most likely first
+    # the most likely tokens at this position, most likely first
+    top: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass

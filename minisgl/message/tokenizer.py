@@ -12,6 +12,7 @@ class DetokenizeMsg:
     finished: bool
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     error: str | None = None  # what the user should change, for finish_reason "error"
+    error_code: str | None = None  # RequestError.code, for the API's error body
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (sent with the first token)
     prompt_tokens: int = 0
     logprob: float | None = None  # the new token's log-probability, when the request asks for logprobs

@@ -14,7 +14,6 @@ class SchedulerConfig(EngineConfig):
     offline_mode: bool = False
     zmq_backend_addr: str = ""  # where rank 0 receives requests (online mode)
     zmq_detokenizer_addr: str = ""  # where rank 0 sends DetokenizeMsg replies (online mode)
-    zmq_broadcast_addr: str = ""  # where rank 0 forwards requests to the other ranks
 
     def validate(self) -> None:
         super().validate()

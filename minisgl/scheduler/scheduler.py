@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from minisgl.core import Batch, ChunkedReq, Req
+from minisgl.core import Batch, ChunkedReq, Req, RequestError
 from minisgl.engine.engine import ForwardOutput
-from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.engine.prepare import ForwardInput
 from minisgl.env import ENV
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
+from minisgl.message.frontend import SchedulerStats
 from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.io import SchedulerIOMixin
@@ -20,20 +23,9 @@ from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import CacheStats, PendingReq
 from minisgl.utils.hf import eos_token_ids, load_tokenizer
 from minisgl.utils.logger import init_logger
-from minisgl.utils.misc import div_ceil
-from minisgl.utils.torch_utils import create_stream, pin, set_stream
+from minisgl.utils.torch_utils import create_stream, set_stream
 
 logger = init_logger(__name__)
-
-Indice2D = tuple[torch.Tensor, torch.Tensor]
-
-
-class ForwardInput(NamedTuple):
-    batch: Batch
-    sample_args: BatchSamplingArgs
-    input_mapping: Indice2D
-    write_mapping: Indice2D
-
 
 ForwardData = tuple[ForwardInput, ForwardOutput]
 
@@ -51,7 +43,7 @@ class Scheduler(SchedulerIOMixin):
         self.engine_stream_ctx = _EngineStreamCtx(self.engine.stream, self.stream)
         set_stream(self.stream)
 
-        self.table_manager = TableManager(config.max_running_req, self.engine.page_table)
+        self.table_manager = TableManager(config.max_running_req, self.engine.token_pool)
         self.cache_manager = CacheManager(
             self.engine.num_pages, config.page_size, self.engine.page_table, config.cache_type
         )
@@ -62,13 +54,21 @@ class Scheduler(SchedulerIOMixin):
         # under overlap scheduling a released slot can only be reallocated once any batch that might use it is done
         self._defer_slot_free = False
         self._deferred_slots: list[int] = []
-        self._inflight_reqs: list[Req] = []  # the batch the device runs while the CPU handles the last one
+        # the batch the device runs while the CPU handles the last one
+        self._inflight_reqs: list[Req] = []
+        self.limits = RequestLimits(
+            self.engine.max_seq_len,
+            self.engine.model_config.vocab_size,
+            self.engine.num_pages,
+            config.page_size,
+        )
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
-        self.eos_token_id = self.tokenizer.eos_token_id
-        self.token_pool = self.table_manager.token_pool
         self.prefill_budget = config.max_extend_tokens
         self.cache_stats = CacheStats()
+        # called once per loop iteration with the prepared batch about to run (None when nothing runs):
+        # tests and tools watch the schedule through this, never by replacing methods
+        self.step_observers: list[Callable[[Batch | None], None]] = []
         super().__init__(config, self.engine.tp_cpu_group)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -105,9 +105,8 @@ class Scheduler(SchedulerIOMixin):
 
     def normal_loop(self) -> None:
         """The plain loop: receive, schedule, forward, wait, handle results. The CPU and the device take turns."""
-        self._defer_slot_free = (
-            False  # the plain loop has no in-flight batch, so the release takes effect at once
-        )
+        # the plain loop has no in-flight batch, so the release takes effect at once
+        self._defer_slot_free = False
         blocking = not (self.prefill_manager.runnable or self.decode_manager.runnable)
         for msg in self.receive_msg(blocking=blocking):
             self._process_one_msg(msg)
@@ -124,31 +123,19 @@ class Scheduler(SchedulerIOMixin):
             self.prefill_manager.schedule_next_batch(self.prefill_budget)
             or self.decode_manager.schedule_next_batch()
         )
-        return self._prepare_batch(batch) if batch else None
-
-    def _prepare_batch(self, batch: Batch) -> ForwardInput:
-        self.engine.graph_runner.pad_batch(batch)
-        self.cache_manager.allocate_paged(batch.reqs)
-        batch.positions = _make_positions(batch, self.device)
-        input_mapping = _make_input_tuple(batch, self.device)
-        write_mapping = _make_write_tuple(batch, self.device)
-        batch.out_loc = self.engine.page_table[input_mapping].to(torch.int64)
-        if batch.is_prefill:
-            batch.last_indices = _make_last_indices(batch, self.device)
-        self.engine.attn_backend.prepare_metadata(batch)
-        return ForwardInput(
-            batch, self.engine.sampler.prepare(batch, self.token_pool), input_mapping, write_mapping
-        )
+        forward_input = None
+        if batch is not None:
+            self.cache_manager.allocate_paged(batch.reqs)
+            forward_input = self.engine.prepare_batch(batch)
+        for observe in self.step_observers:
+            observe(batch)
+        return forward_input
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
-        batch, sample_args, input_mapping, write_mapping = forward_input
-        batch.input_ids = self.token_pool[
-            input_mapping
-        ]  # the input is gathered on the device, never through the CPU
-        output = self.engine.forward_batch(batch, sample_args)
-        self.token_pool[write_mapping] = (
-            output.next_tokens_gpu
-        )  # the sample is written straight back as the next step's input
+        output = self.engine.forward_batch(forward_input)
+        batch = forward_input.batch
+        for req in batch.reqs:
+            req.complete_one()
         self.decode_manager.filter_reqs(batch.reqs)
         return output
 
@@ -156,16 +143,19 @@ class Scheduler(SchedulerIOMixin):
     def _process_last_data(self, last_data: ForwardData | None) -> None:
         if last_data is None:
             return
-        batch, (_, next_tokens_cpu, copy_done) = last_data[0].batch, last_data[1]
-        logprobs = last_data[1].logprobs
-        copy_done.synchronize()  # the sample is on the CPU: this batch and every earlier one are done
+        batch, output = last_data[0].batch, last_data[1]
+        logprobs = output.logprobs
+        # the sample is on the CPU: this batch and every earlier one are done
+        output.copy_done.synchronize()
         self._release_deferred_slots()
         reply: list[DetokenizeMsg] = []
         new_finished: set[Req] = set()
-        tokens = next_tokens_cpu.tolist()  # one conversion: indexing a tensor per request costs microseconds
+        # one conversion: indexing a tensor per request costs microseconds
+        tokens = output.next_tokens_cpu.tolist()
         with self.cache_manager.lazy_free_region():
             for i, req in enumerate(batch.reqs):
-                if isinstance(req, ChunkedReq):  # a chunked request produces no output this step
+                # a chunked request produces no output this step
+                if isinstance(req, ChunkedReq):
                     continue
                 if req in self.finished_reqs:
                     # under overlap the request finished (or was aborted) last step but was already in this batch
@@ -191,9 +181,8 @@ class Scheduler(SchedulerIOMixin):
                     self.decode_manager.remove_req(req)
                     self._free_req_resources(req)
                     new_finished.add(req)
-                elif (
-                    batch.is_prefill
-                ):  # prefill has just finished: hand the prompt's KV to the prefix cache right away
+                elif batch.is_prefill:
+                    # prefill has just finished: hand the prompt's KV to the prefix cache right away
                     self.cache_manager.cache_req(req, finished=False)
         self.finished_reqs = new_finished
         self.send_result(reply)
@@ -201,24 +190,19 @@ class Scheduler(SchedulerIOMixin):
             self.check_integrity()
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
+        """The one finish decision on token ids: a stop token ("stop"), or max_tokens reached ("length").
+
+        Stop strings are text, so the detokenizer watches for them and aborts the request when one
+        shows up. A "stop" here always means the last token is a stop token, which is not output.
+        """
         params = req.sampling_params
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if params.stop and self._hit_stop_string(req):
-            return "stop"
         if len(req.input_ids) >= req.max_device_len:
             return "length"
         return None
-
-    def _hit_stop_string(self, req: Req) -> bool:
-        stops = req.sampling_params.stop
-        # a stop string first shows up in the text of the newest tokens; a token is rarely empty, so this window covers it
-        window = max(len(s) for s in stops) + 4
-        start = max(req.prompt_len, len(req.input_ids) - window)
-        text = self.tokenizer.decode(req.input_ids[start:])
-        return any(s in text for s in stops)
 
     # ---- messages ----------------------------------------------------------------------------
     def _process_one_msg(self, msg: BaseBackendMsg) -> None:
@@ -228,49 +212,19 @@ class Scheduler(SchedulerIOMixin):
         elif isinstance(msg, ExitMsg):
             raise KeyboardInterrupt
         elif isinstance(msg, UserMsg):
-            error = self._check_user_msg(msg)
-            if error is not None:
-                logger.warning_rank0(f"request {msg.uid} refused: {error}")
-                self.send_result([DetokenizeMsg(msg.uid, -1, True, "error", error)])
+            try:
+                max_tokens = check_request(msg.input_ids, msg.sampling_params, self.limits)
+            except RequestError as e:
+                logger.warning_rank0(f"request {msg.uid} refused: {e}")
+                self.send_result([DetokenizeMsg(msg.uid, -1, True, "error", str(e), error_code=e.code)])
                 return
             params = msg.sampling_params
-            params.max_tokens = min(params.max_tokens, self.engine.max_seq_len - len(msg.input_ids))
-            self.prefill_manager.add_one_req(
-                PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed())
-            )
+            pending = PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed(), max_tokens)
+            self.prefill_manager.add_one_req(pending)
         elif isinstance(msg, AbortBackendMsg):
             self._abort(msg.uid)
         else:
             raise NotImplementedError(f"Unknown message type: {type(msg)}")
-
-    def _check_user_msg(self, msg: UserMsg) -> str | None:
-        """What is wrong with a request, in words that say what to change; None if it can run."""
-        try:
-            msg.sampling_params.validate()
-        except ValueError as e:
-            return str(e)
-        input_len, max_seq_len = len(msg.input_ids), self.engine.max_seq_len
-        if input_len == 0:
-            return "the prompt is empty; send at least one token"
-        vocab = self.engine.model_config.vocab_size
-        if any(not (0 <= t < vocab) for t in msg.input_ids):
-            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
-        if input_len >= max_seq_len:
-            return (
-                f"the prompt has {input_len} tokens; this model takes at most {max_seq_len - 1} "
-                f"prompt tokens (context length {max_seq_len}, one token left to generate). Shorten the prompt."
-            )
-        max_tokens = min(msg.sampling_params.max_tokens, max_seq_len - input_len)
-        ps = self.config.page_size
-        # the same whole pages PrefillAdder asks for, so a request that passes here is admitted once the pool is idle
-        if div_ceil(input_len + max_tokens, ps) > self.engine.num_pages:
-            room = self.engine.num_pages * ps - input_len
-            fix = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
-            return (
-                f"the prompt ({input_len} tokens) plus max_tokens ({max_tokens}) needs {input_len + max_tokens} "
-                f"tokens of KV cache, but the whole pool holds {self.engine.num_pages * ps}; {fix}"
-            )
-        return None
 
     def _abort(self, uid: int) -> None:
         pending = self.prefill_manager.abort_req(uid)
@@ -303,7 +257,20 @@ class Scheduler(SchedulerIOMixin):
             self.table_manager.free(slot)
         self._deferred_slots.clear()
 
-    # ---- checks and teardown -------------------------------------------------------------------
+    # ---- checks, statistics and teardown -----------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        """The scheduler's load right now: requests, table rows and KV pages."""
+        cm = self.cache_manager
+        return SchedulerStats(
+            running=len(self.decode_manager.running_reqs),
+            waiting=len(self.prefill_manager.pending_list),
+            free_slots=self.table_manager.available_size,
+            kv_pages_total=cm.num_pages,
+            kv_pages_free=len(cm.free_pages),
+            kv_pages_cached=cm.prefix_cache.total_pages,
+            kv_pages_held=cm.private_pages(),
+        )
+
     def abort_all(self) -> None:
         """Abort every waiting and running request, freeing what each holds (after an error in the loop)."""
         uids = [p.uid for p in self.prefill_manager.pending_list] + [
@@ -358,48 +325,3 @@ class _EngineStreamCtx:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
             self._ctx = None
-
-
-def _lens(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    reqs = batch.padded_reqs
-    starts = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
-    lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
-    return starts, lens
-
-
-def _make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
-    """[cached_len, device_len) of every request, packed into one dimension."""
-    starts, lens = _lens(batch)
-    if batch.is_decode:
-        return starts.pin_memory().to(device, non_blocking=True) if pin(device) else starts
-    offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    pos = torch.arange(int(lens.sum())) - offsets + torch.repeat_interleave(starts, lens)
-    return pos.to(device, non_blocking=True)
-
-
-def _make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
-    """(row, position) of every input token: the input comes from the token pool, its KV slot from the page table."""
-    _, lens = _lens(batch)
-    rows = torch.repeat_interleave(
-        torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64), lens
-    )
-    return rows.to(device, non_blocking=True), batch.positions
-
-
-def _make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
-    """The sampled token is written to token_pool[table_idx, device_len], the next step's input position.
-
-    A column of -1 means do not write: a chunked request, or one that can no longer generate
-    (writing -1 lands in the last column, harmlessly). device_len is incremented inside
-    forward_batch, so the value read here is the one before: exactly the new token's position.
-    """
-    rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device))
-    cols = torch.tensor(
-        [r.device_len if r.can_decode else -1 for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device)
-    )
-    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
-
-
-def _make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:
-    _, lens = _lens(batch)
-    return (torch.cumsum(lens, 0) - 1).to(device, non_blocking=True)

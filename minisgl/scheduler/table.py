@@ -6,11 +6,10 @@ import torch
 
 
 class TableManager:
-    def __init__(self, max_running_req: int, page_table: torch.Tensor) -> None:
+    def __init__(self, max_running_req: int, token_pool: torch.Tensor) -> None:
         self.max_running_req = max_running_req
-        self.page_table = page_table
-        # token_pool[row, pos] is the token at position pos of the request in that row, kept on the device
-        self.token_pool = torch.zeros_like(page_table)
+        # the engine's token pool: an admitted request's prompt is written into its row
+        self.token_pool = token_pool
         self._free_slots = list(range(max_running_req))
 
     @property

@@ -15,6 +15,8 @@ class PendingReq:
     input_ids: list[int]
     sampling_params: SamplingParams
     seed: int
+    # sampling_params.max_tokens cut to what the context length leaves (check_request)
+    max_tokens: int
     chunked_req: ChunkedReq | None = None
 
     @property
@@ -23,7 +25,7 @@ class PendingReq:
 
     @property
     def output_len(self) -> int:
-        return self.sampling_params.max_tokens
+        return self.max_tokens
 
 
 @dataclass

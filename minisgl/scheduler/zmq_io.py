@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minisgl.message import BaseBackendMsg
-from minisgl.message.frontend import SchedulerStats
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
-
-if TYPE_CHECKING:
-    from minisgl.scheduler.scheduler import Scheduler
 
 
 class ZmqSchedulerIO:
@@ -31,17 +27,3 @@ class ZmqSchedulerIO:
     def close(self) -> None:
         self._requests.close()
         self._replies.close()
-
-
-def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
-    """The scheduler's load right now: requests, table rows and KV pages."""
-    cm = scheduler.cache_manager
-    return SchedulerStats(
-        running=len(scheduler.decode_manager.running_reqs),
-        waiting=len(scheduler.prefill_manager.pending_list),
-        free_slots=scheduler.table_manager.available_size,
-        kv_pages_total=cm.num_pages,
-        kv_pages_free=len(cm.free_pages),
-        kv_pages_cached=cm.prefix_cache.total_pages,
-        kv_pages_held=cm.private_pages(),
-    )

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minisgl.scheduler.check import RequestLimits
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.client import EngineClient, ServeInfo
@@ -38,9 +39,7 @@ class ModelInfo:
     """What the scheduler tells the others once its model is loaded."""
 
     model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
-    max_seq_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
+    limits: RequestLimits
 
 
 class StartupError(RuntimeError):
@@ -52,20 +51,14 @@ def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
     init_child_process()
     try:
         from minisgl.scheduler.scheduler import Scheduler
-        from minisgl.scheduler.zmq_io import scheduler_stats
 
         scheduler = Scheduler(config)
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         raise SystemExit(1) from None
-    send = scheduler.send_result
-    # every reply also carries the scheduler's load after the step, which /metrics shows
-    scheduler.send_result = lambda reply: send([*reply, scheduler_stats(scheduler)])
+    # every reply carries the scheduler's load, which /metrics shows: this first one says it is idle
     scheduler.send_result([])
-    engine = scheduler.engine
-    info = ModelInfo(
-        engine.model_dir, engine.max_seq_len, engine.model_config.vocab_size, sorted(scheduler.eos_token_ids)
-    )
+    info = ModelInfo(scheduler.engine.model_dir, scheduler.limits)
     conn.send(("ready", info))
     try:
         scheduler.run_forever()
@@ -85,7 +78,7 @@ def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
         # the scheduler resolves the model (a GGUF file is converted once) and knows its context length
         info: ModelInfo = conn.recv()
         tokenizer = load_tokenizer(info.model_dir)
-        worker = TokenizerWorker(tokenizer, info.max_seq_len, info.vocab_size, info.eos_token_ids, addrs)
+        worker = TokenizerWorker(tokenizer, info.limits, addrs)
     except EOFError:
         raise SystemExit(0) from None  # the parent gave up before the scheduler was ready
     except Exception:
@@ -254,7 +247,7 @@ def main(argv: list[str]) -> None:
         procs = ServerProcesses(args)
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
-        info = ServeInfo(args.model_name, args.model, model.max_seq_len)
+        info = ServeInfo(args.model_name, args.model, model.limits.max_seq_len)
         if args.shell:
             from minisgl.server.shell import run_shell
 

@@ -7,19 +7,36 @@ that starts one token back (the `prefix_offset`/`read_offset` pair, as in vLLM a
 keeps the new text back while it ends in U+FFFD. Stop strings are cut out of the text, as
 OpenAI does; text that might be the start of one is held until it is known either way.
 `finish()` returns whatever is still held, so no text is lost at the end.
+
+`step()` is the one place that turns the scheduler's token messages into a request's text and
+decides stop strings, for the server's tokenizer worker and for the offline `LLM` alike. Without
+stop strings and with `streaming` off (offline), the text is decoded once, at the end.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from minisgl.message import DetokenizeMsg
 
 _REPLACEMENT = "\ufffd"
 
 
+@dataclass
+class DetokenizeStep:
+    text: str  # new text to show
+    output_token: int | None  # the message's token, if it is part of the output
+    finished: bool
+    finish_reason: str | None
+    abort: bool  # a stop string ended the request before the scheduler knew: tell it to stop
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
+        self.lazy = not streaming and not self.stop
         self.ids: list[int] = []
         self.prefix_offset = 0  # the window decoded each step starts here ...
         self.read_offset = 0  # ... and the text of tokens before this one has been taken already
@@ -28,9 +45,23 @@ class IncrementalDetokenizer:
         self.searched = 0  # `text` before this has been searched for stop strings
         self.stopped = False  # a stop string was found: the output ends before it
 
+    def step(self, msg: DetokenizeMsg) -> DetokenizeStep:
+        """Take one message of the scheduler for this request."""
+        text, token = "", None
+        # the scheduler's "stop" means its last token is a stop token: it ends the output, unseen (as in OpenAI)
+        if msg.next_token >= 0 and not (msg.finished and msg.finish_reason == "stop"):
+            token = msg.next_token
+            text = self.add(token)
+        finished, reason = msg.finished or self.stopped, "stop" if self.stopped else msg.finish_reason
+        if finished:
+            text += self.finish()
+        return DetokenizeStep(text, token, finished, reason, self.stopped and not msg.finished)
+
     def add(self, token: int) -> str:
         """Take the next token; return the text that can be shown now (maybe empty)."""
         self.ids.append(token)
+        if self.lazy:
+            return ""
         self._decode_new(final=False)
         return self._release(final=False)
 

@@ -13,11 +13,12 @@ from typing import Any
 
 import zmq
 
-from minisgl.core import SamplingParams
+from minisgl.core import RequestError
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokenLogprob, UserReply
+from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from minisgl.tokenizer.tokenize import PromptError, TokenizeManager
+from minisgl.tokenizer.tokenize import TokenizeManager
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
 
@@ -34,7 +35,6 @@ class WorkerAddrs:
 
 @dataclass
 class _Request:
-    params: SamplingParams
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     cached_tokens: int = 0
@@ -44,15 +44,13 @@ class _Request:
 @dataclass
 class TokenizerWorker:
     tokenizer: Any
-    max_seq_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
+    limits: RequestLimits
     addrs: WorkerAddrs
     requests: dict[int, _Request] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.tokenize_manager = TokenizeManager(self.tokenizer, self.max_seq_len, self.vocab_size)
+        self.tokenize_manager = TokenizeManager(self.tokenizer)
         self._from_api = ZmqPullQueue(self.addrs.requests)
         self._from_scheduler = ZmqPullQueue(self.addrs.detokenize)
         self._to_api = ZmqPushQueue(self.addrs.replies)
@@ -81,7 +79,9 @@ class TokenizerWorker:
             if isinstance(msg, TokenizeMsg):
                 try:
                     ids = self.tokenize_manager.tokenize(msg)
-                except PromptError as e:
+                    # checked here too, so a bad request is answered before anything is queued
+                    check_request(ids, msg.sampling_params, self.limits)
+                except RequestError as e:
                     replies.append(UserReply(msg.uid, "", True, "error", str(e), e.code))
                     continue
                 except Exception as e:  # a request the tokenizer chokes on must not take the worker down
@@ -91,7 +91,7 @@ class TokenizerWorker:
                     )
                     continue
                 detokenizer = IncrementalDetokenizer(self.tokenizer, msg.sampling_params.stop)
-                self.requests[msg.uid] = _Request(msg.sampling_params, detokenizer, len(ids))
+                self.requests[msg.uid] = _Request(detokenizer, len(ids))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
             elif isinstance(msg, AbortMsg):
                 to_scheduler.append(AbortBackendMsg(msg.uid))
@@ -124,31 +124,19 @@ class TokenizerWorker:
             return None  # ended here already (a stop string, or an abort): late messages are dropped
         if msg.prompt_tokens:
             req.cached_tokens = msg.cached_tokens
-        reply = UserReply(msg.uid, "", msg.finished, msg.finish_reason, msg.error)
+        step = req.detokenizer.step(msg)
+        reply = UserReply(msg.uid, step.text, step.finished, step.finish_reason, msg.error, msg.error_code)
         if msg.next_token >= 0:
             req.completion_tokens += 1
-            # EOS and stop token ids end the request but are not part of its text, as in the OpenAI API
-            if not (
-                msg.finished and msg.finish_reason == "stop" and self._is_stop_token(req, msg.next_token)
-            ):
-                reply.text = req.detokenizer.add(msg.next_token)
-                if msg.logprob is not None:
-                    reply.logprobs = [self._logprob(msg)]
-        if req.detokenizer.stopped:
-            if not msg.finished:
-                # the stop string showed up before the scheduler noticed it: end the request here
-                self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
-            reply.finished, reply.finish_reason = True, "stop"
-        if reply.finished:
-            reply.text += req.detokenizer.finish()
+            if msg.logprob is not None and step.output_token is not None:
+                reply.logprobs = [self._logprob(msg)]
+        if step.abort:
+            self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
+        if step.finished:
             del self.requests[msg.uid]
         reply.prompt_tokens, reply.cached_tokens = req.prompt_tokens, req.cached_tokens
         reply.completion_tokens = req.completion_tokens
         return reply
-
-    def _is_stop_token(self, req: _Request, token: int) -> bool:
-        params = req.params
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
 
     def _logprob(self, msg: DetokenizeMsg) -> TokenLogprob:
         top = [TokenLogprob(int(t), self._text_of(int(t)), float(lp)) for t, lp in msg.top_logprobs or []]

@@ -1,0 +1,65 @@
+"""The tensors of one step: positions, where inputs come from and samples go, and the last token of each prompt."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.utils.torch_utils import pin
+
+Indice2D = tuple[torch.Tensor, torch.Tensor]
+
+
+class ForwardInput(NamedTuple):
+    batch: Batch
+    sample_args: BatchSamplingArgs
+    input_mapping: Indice2D
+    write_mapping: Indice2D
+
+
+def _lens(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    reqs = batch.padded_reqs
+    starts = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+    lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+    return starts, lens
+
+
+def make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
+    """[cached_len, device_len) of every request, packed into one dimension."""
+    starts, lens = _lens(batch)
+    if batch.is_decode:
+        return starts.pin_memory().to(device, non_blocking=True) if pin(device) else starts
+    offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    pos = torch.arange(int(lens.sum())) - offsets + torch.repeat_interleave(starts, lens)
+    return pos.to(device, non_blocking=True)
+
+
+def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
+    """(row, position) of every input token: the input comes from the token pool, its KV slot from the page table."""
+    _, lens = _lens(batch)
+    rows = torch.repeat_interleave(
+        torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64), lens
+    )
+    return rows.to(device, non_blocking=True), batch.positions
+
+
+def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
+    """The sampled token is written to token_pool[table_idx, device_len], the next step's input position.
+
+    A column of -1 means do not write: a chunked request, or one that can no longer generate
+    (writing -1 lands in the last column, harmlessly). The scheduler advances device_len only after
+    the forward pass, so the value read here is exactly the new token's position.
+    """
+    rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device))
+    cols = torch.tensor(
+        [r.device_len if r.can_decode else -1 for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device)
+    )
+    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
+
+
+def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:
+    _, lens = _lens(batch)
+    return (torch.cumsum(lens, 0) - 1).to(device, non_blocking=True)

@@ -1,0 +1,57 @@
+"""The one request check: what the tokenizer worker, the scheduler and LLM each ask before a request runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.core import RequestError, SamplingParams
+from minisgl.utils.misc import div_ceil
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can take: the context length, the vocabulary and the whole KV pool."""
+
+    max_seq_len: int
+    vocab_size: int
+    num_pages: int
+    page_size: int
+
+
+def check_request(input_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
+    """Raise RequestError saying what to change; return the max_tokens the request runs with.
+
+    max_tokens is cut to what the context length leaves after the prompt; the caller keeps that
+    number on its request, so `params` stays as the user sent it.
+    """
+    params.validate()
+    input_len, max_seq_len = len(input_ids), limits.max_seq_len
+    if input_len == 0:
+        raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")
+    vocab = limits.vocab_size
+    if any(not (0 <= t < vocab) for t in input_ids):
+        raise RequestError(
+            f"the prompt has token ids outside the vocabulary; each must be in [0, {vocab})",
+            None,
+            "invalid_token_ids",
+        )
+    if input_len >= max_seq_len:
+        raise RequestError(
+            f"the prompt has {input_len} tokens; this model takes at most {max_seq_len - 1} prompt tokens "
+            f"(context length {max_seq_len}, one token left to generate). Shorten the prompt.",
+            None,
+            "context_length_exceeded",
+        )
+    max_tokens = min(params.max_tokens, max_seq_len - input_len)
+    pool = limits.num_pages * limits.page_size
+    # the same whole pages PrefillAdder asks for, so a request that passes here is admitted once the pool is idle
+    if div_ceil(input_len + max_tokens, limits.page_size) > limits.num_pages:
+        room = pool - input_len
+        fix = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
+        raise RequestError(
+            f"the prompt ({input_len} tokens) plus max_tokens ({max_tokens}) needs {input_len + max_tokens} "
+            f"tokens of KV cache, but the whole pool holds {pool}; {fix}",
+            None,
+            "context_length_exceeded",
+        )
+    return max_tokens
