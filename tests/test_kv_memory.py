@@ -126,6 +126,26 @@ def test_shared_system_prompt_is_computed_once_with_radix(llama, build, hf_refer
     assert computed["radix"] <= 0.2 * computed["naive"]
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_in_batch_prefix_share_computes_a_shared_prefix_once_and_off_computes_it_per_request(
+    llama, build, hf_reference, page_size
+):
+    system = random_prompts(1, seed=11, min_len=100, max_len=100)[0]
+    prompts = [system + q for q in random_prompts(8, seed=12, min_len=4, max_len=12)]
+    shared = len(system) // page_size * page_size
+    # the option -> whether the requests behind the first wait for its KV (the rule counts whole pages)
+    waits = {32: True, shared: True, shared + 1: False, 0: False}
+    for share, wait in waits.items():
+        llm = build(llama, in_batch_prefix_share=share, page_size=page_size, max_running_req=8)
+        out = llm.generate(prompts, greedy(4))
+        assert [o["token_ids"] for o in out] == hf_reference(llama, prompts, 4)
+        # waiting, the 7 behind the first read the prefix from the cache; else all 8 compute it in one batch
+        assert [o["cached_tokens"] for o in out] == [0] + [shared if wait else 0] * 7
+        assert_nothing_held(llm)
+    with pytest.raises(ValueError, match="in_batch_prefix_share"):
+        build(llama, in_batch_prefix_share=-1)
+
+
 @pytest.mark.parametrize("max_extend_tokens", [BIG_BUDGET, 16])
 @pytest.mark.parametrize("cache_type", ["naive", "radix"])
 def test_workload_many_times_the_pool_completes_in_order(

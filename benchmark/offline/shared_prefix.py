@@ -2,8 +2,10 @@
 
 The workload: random.seed(0), one system prompt of --system-len random tokens, then --num-requests
 requests, each the system prompt plus its own random suffix of U[--min-suffix, --max-suffix] tokens,
-each generating --output-len tokens (ignore_eos). Both caches run the same requests on the same model
-in the same process; the figures are output tokens/s and the prompt tokens each one computed.
+each generating --output-len tokens (ignore_eos). Three variants run the same requests on the same
+model in the same process: the naive cache, the radix cache, and the radix cache with the in-batch
+prefix-sharing rule off (in_batch_prefix_share=0: requests of one prefill batch do not wait for each
+other's KV); the figures are output tokens/s and the prompt tokens each one computed.
     python benchmark/offline/shared_prefix.py
 """
 
@@ -19,7 +21,7 @@ import torch
 
 @dataclass
 class Result:
-    cache_type: str
+    variant: str
     seconds: float
     output_tokens: int
     prompt_tokens: int
@@ -46,13 +48,21 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [system + s for s in suffixes]
 
 
-def run(args: argparse.Namespace, cache_type: str, prompts: list[list[int]]) -> Result:
+# name -> the LLM options that make it
+VARIANTS: dict[str, dict[str, object]] = {
+    "naive": dict(cache_type="naive"),
+    "radix": dict(cache_type="radix"),
+    "radix, in-batch rule off": dict(cache_type="radix", in_batch_prefix_share=0),
+}
+
+
+def run(args: argparse.Namespace, variant: str, prompts: list[list[int]]) -> Result:
     from minisgl import LLM, SamplingParams
 
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        cache_type=cache_type,
+        **VARIANTS[variant],
         max_running_req=args.max_running_req,
         max_seq_len_override=args.system_len + args.max_suffix + args.output_len + 8,
     )
@@ -69,7 +79,7 @@ def run(args: argparse.Namespace, cache_type: str, prompts: list[list[int]]) -> 
     assert llm.cache_stats.cached_tokens - before[1] == cached_tokens
     llm.shutdown()
     token_ids = [o["token_ids"] for o in outputs]
-    return Result(cache_type, seconds, sum(map(len, token_ids)), prompt_tokens, cached_tokens, token_ids)
+    return Result(variant, seconds, sum(map(len, token_ids)), prompt_tokens, cached_tokens, token_ids)
 
 
 def main() -> None:
@@ -104,22 +114,23 @@ def main() -> None:
         f"U[{args.min_suffix}, {args.max_suffix}], {args.output_len} output tokens each, seed {args.seed}, "
         f"{args.dtype}"
     )
-    results = [run(args, cache_type, prompts) for cache_type in ("naive", "radix")]
+    results = [run(args, variant, prompts) for variant in VARIANTS]
     print(
-        f"{'cache':<6} {'seconds':>8} {'output tok/s':>13} {'prompt tok':>11} {'computed':>9} {'cached':>7}"
+        f"{'variant':<24} {'seconds':>8} {'output tok/s':>13} {'prompt tok':>11} {'computed':>9} {'cached':>7}"
     )
     for r in results:
         print(
-            f"{r.cache_type:<6} {r.seconds:8.2f} {r.tokens_per_s:13.1f} {r.prompt_tokens:11d} "
+            f"{r.variant:<24} {r.seconds:8.2f} {r.tokens_per_s:13.1f} {r.prompt_tokens:11d} "
             f"{r.computed_tokens:9d} {r.cached_tokens:7d}"
         )
-    naive, radix = results
-    same = sum(a == b for a, b in zip(naive.token_ids, radix.token_ids))
-    print(
-        f"radix computes {1 - radix.computed_tokens / naive.computed_tokens:.1%} fewer prompt tokens, "
-        f"{radix.tokens_per_s / naive.tokens_per_s:.2f}x the output tokens/s; "
-        f"{same}/{len(prompts)} outputs identical (greedy)"
-    )
+    naive = results[0]
+    for r in results[1:]:
+        same = sum(a == b for a, b in zip(naive.token_ids, r.token_ids))
+        print(
+            f"{r.variant}: {1 - r.computed_tokens / naive.computed_tokens:.1%} fewer prompt tokens computed "
+            f"than naive, {r.tokens_per_s / naive.tokens_per_s:.2f}x its output tokens/s; "
+            f"{same}/{len(prompts)} outputs identical to naive's (greedy)"
+        )
 
 
 if __name__ == "__main__":

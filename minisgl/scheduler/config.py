@@ -11,6 +11,9 @@ from minisgl.engine.config import EngineConfig
 class SchedulerConfig(EngineConfig):
     cache_type: str = "radix"
     max_extend_tokens: int = 8192  # the prefill budget: prompt tokens computed in one step
+    # a request sharing at least this many uncached prompt tokens with one admitted to the same prefill batch
+    # waits a step to read them from the prefix cache instead of computing them twice (0: off)
+    in_batch_prefix_share: int = 32
     offline_mode: bool = False
     zmq_backend_addr: str = ""  # where rank 0 receives requests (online mode)
     zmq_detokenizer_addr: str = ""  # where rank 0 sends DetokenizeMsg replies (online mode)
@@ -21,3 +24,7 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(f"cache_type={self.cache_type!r} is unknown; use 'radix' or 'naive'")
         if self.max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens={self.max_extend_tokens} is invalid: it must be >= 1")
+        if self.in_batch_prefix_share < 0:
+            raise ValueError(
+                f"in_batch_prefix_share={self.in_batch_prefix_share} is invalid: it must be >= 0 (0 turns it off)"
+            )

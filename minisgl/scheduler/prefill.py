@@ -7,16 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl.core import Batch, ChunkedReq, Req
-from minisgl.kvcache.radix import RadixPrefixCache
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import PendingReq
 from minisgl.utils.misc import align_up
-
-# a request that shares at least this many uncached tokens with an earlier request of the same batch waits for
-# that request's KV rather than computing the shared prefix twice; a shorter overlap (a chat header) is not worth a step
-IN_BATCH_SHARE_MIN = 32
 
 
 @dataclass
@@ -31,13 +26,8 @@ class PrefillAdder:
     reserved_size: int
     cache_manager: CacheManager
     table_manager: TableManager
-    # the prompts of this batch: a request sharing more with one of them than the cache holds waits a step,
-    # then reads that prefix from the cache instead of computing it again (None: the cache keeps nothing)
-    batch_prompts: RadixPrefixCache | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        reuse = self.cache_manager.cache_type != "naive"
-        self.batch_prompts = RadixPrefixCache(self.cache_manager.page_size) if reuse else None
+    in_batch_prefix_share: int  # see _waits_for_batch
+    batch_prompts: list[list[int]] = field(default_factory=list)
 
     def try_add_one(self, pending_req: PendingReq) -> Req | None:
         if self.token_budget <= 0:
@@ -48,7 +38,7 @@ class PrefillAdder:
             return None
         cm = self.cache_manager
         match = cm.match_req(pending_req.input_ids)
-        if self._shares_with_batch(pending_req.input_ids) - match.length >= IN_BATCH_SHARE_MIN:
+        if self._waits_for_batch(pending_req.input_ids, match.length):
             return None
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
         # whole pages for prompt + max_tokens, as Scheduler._check_user_msg counts them: a request it lets
@@ -72,17 +62,16 @@ class PrefillAdder:
         self.reserved_size += self.cache_manager.room_needed(chunked.table_idx, max_len)
         return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
 
-    def _shares_with_batch(self, input_ids: list[int]) -> int:
-        """Leading tokens (whole pages, the last token left out as in match_req) shared with this batch's prompts."""
-        return 0 if self.batch_prompts is None else self.batch_prompts.match_prefix(input_ids[:-1]).length
+    def _waits_for_batch(self, input_ids: list[int], cached_len: int) -> bool:
+        """Whether the prompt shares in_batch_prefix_share or more uncached tokens (whole pages, the last left out
+        as in match_req) with one admitted to this batch; a shorter overlap (a chat header) is not worth a step."""
+        if self.in_batch_prefix_share == 0 or self.cache_manager.cache_type == "naive":
+            return False
+        head = input_ids[: align_up(cached_len + self.in_batch_prefix_share, self.cache_manager.page_size)]
+        return len(head) < len(input_ids) and any(p[: len(head)] == head for p in self.batch_prompts)
 
     def _make_req(self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object) -> Req:
-        if self.batch_prompts is not None:
-            aligned = pending_req.input_len // self.cache_manager.page_size
-            # the pages are placeholders: only the token prefixes are looked up
-            self.batch_prompts.insert_prefix(
-                pending_req.input_ids[: aligned * self.cache_manager.page_size], [-1] * aligned
-            )
+        self.batch_prompts.append(pending_req.input_ids)
         extend_len = pending_req.input_len - cached_len
         chunk = min(extend_len, self.token_budget)
         self.token_budget -= chunk
@@ -111,6 +100,7 @@ class PrefillManager:
     cache_manager: CacheManager
     table_manager: TableManager
     decode_manager: DecodeManager
+    in_batch_prefix_share: int
     pending_list: list[PendingReq] = field(default_factory=list)
 
     def add_one_req(self, pending_req: PendingReq) -> None:
@@ -128,6 +118,7 @@ class PrefillManager:
             reserved_size=self.decode_manager.inflight_tokens,  # the space already promised to the decoding requests
             cache_manager=self.cache_manager,
             table_manager=self.table_manager,
+            in_batch_prefix_share=self.in_batch_prefix_share,
         )
         reqs: list[Req] = []
         chunked_list: list[PendingReq] = []

@@ -48,7 +48,9 @@ class Scheduler(SchedulerIOMixin):
             self.engine.num_pages, config.page_size, self.engine.page_table, config.cache_type
         )
         self.decode_manager = DecodeManager(config.page_size)
-        self.prefill_manager = PrefillManager(self.cache_manager, self.table_manager, self.decode_manager)
+        self.prefill_manager = PrefillManager(
+            self.cache_manager, self.table_manager, self.decode_manager, config.in_batch_prefix_share
+        )
 
         self.finished_reqs: set[Req] = set()
         # under overlap scheduling a released slot can only be reallocated once any batch that might use it is done
