@@ -26,6 +26,17 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+class InvalidParam(RequestError):
+    """A sampling parameter out of its range; `named(alias)` is the same error under an API's name for it."""
+
+    def __init__(self, param: str, value: Any, want: str) -> None:
+        super().__init__(f"{param}={value!r} is invalid: {want}", param)
+        self.value, self.want = value, want
+
+    def named(self, alias: str) -> InvalidParam:
+        return InvalidParam(alias, self.value, self.want)
+
+
 def _param(default: Any, help: str) -> Any:
     # the help text is the one description of a field: the CLI and the API models are built from it
     if isinstance(default, list):
@@ -58,10 +69,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def validate(self) -> None:
-        """Raise RequestError naming the parameter and the range it must be in."""
+        """Raise InvalidParam naming the parameter and the range it must be in."""
 
-        def bad(name: str, want: str) -> RequestError:
-            return RequestError(f"{name}={getattr(self, name)!r} is invalid: {want}", name)
+        def bad(name: str, want: str) -> InvalidParam:
+            return InvalidParam(name, getattr(self, name), want)
 
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)

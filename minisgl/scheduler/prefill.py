@@ -41,7 +41,7 @@ class PrefillAdder:
         if self._waits_for_batch(pending_req.input_ids, match.length):
             return None
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
-        # whole pages for prompt + max_tokens, as Scheduler._check_user_msg counts them: a request it lets
+        # whole pages for prompt + max_tokens, as check_request counts them: a request it lets
         # through always fits once the pool has drained
         need = align_up(pending_req.input_len + pending_req.output_len, cm.page_size) - match.length
         if cm.available_size < self.reserved_size + need:

@@ -420,9 +420,9 @@ def _prompt_msgs(prompts: list[Prompt], params: list[SamplingParams]) -> list[To
     for prompt in prompts:
         for p in params:
             if isinstance(prompt, str):
-                msgs.append(TokenizeMsg(0, SamplingParams(**vars(p)), text=prompt))
+                msgs.append(TokenizeMsg(0, p, text=prompt))
             else:
-                msgs.append(TokenizeMsg(0, SamplingParams(**vars(p)), input_ids=list(prompt)))
+                msgs.append(TokenizeMsg(0, p, input_ids=list(prompt)))
     return msgs
 
 

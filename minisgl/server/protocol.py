@@ -6,11 +6,12 @@ SamplingParams.validate's, so the server and the offline LLM refuse the same thi
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from dataclasses import fields, replace
+from typing import Any, TypeVar, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from minisgl.core import SamplingParams
+from minisgl.core import InvalidParam, SamplingParams
 
 MAX_N = 128  # choices per prompt
 
@@ -41,21 +42,46 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class _OpenAIRequest(_Strict):
+# The one table between the wire and SamplingParams: a field's name in OpenAI bodies and in SGLang's
+# /generate sampling_params, where it differs. The request models below are built from SamplingParams'
+# fields, so a new sampling field reaches every endpoint (logprobs is asked differently by each API).
+_OPENAI_NAMES = {"max_tokens": "max_tokens"}
+_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+_WIRE_TYPES: dict[str, Any] = {"stop": str | list[str]}
+
+
+def _sampling_fields(names: dict[str, str]) -> dict[str, Any]:
+    hints = get_type_hints(SamplingParams)
+    return {
+        names.get(f.name, f.name): (_WIRE_TYPES.get(f.name, hints[f.name]) | None, None)
+        for f in fields(SamplingParams)
+        if f.name != "logprobs"
+    }
+
+
+def checked_params(values: dict[str, Any], names: dict[str, str], prefix: str = "") -> SamplingParams:
+    """SamplingParams from a body's sampling values (keyed by field); a bad value is an APIError naming
+    the parameter as the body calls it."""
+    params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
+    try:
+        params.validate()
+    except InvalidParam as e:
+        alias = names.get(e.param or "", e.param or "")
+        raise APIError(str(e.named(alias)), prefix + alias, e.code) from e
+    return params
+
+
+def _wire_values(body: BaseModel, names: dict[str, str]) -> dict[str, Any]:
+    return {
+        f.name: getattr(body, names.get(f.name, f.name))
+        for f in fields(SamplingParams)
+        if f.name != "logprobs"
+    }
+
+
+class _OpenAIBase(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -72,23 +98,15 @@ class _OpenAIRequest(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        values = _wire_values(self, _OPENAI_NAMES)
         # OpenAI's defaults: temperature 1; max_tokens left out means the engine's default
-        values: dict[str, Any] = dict(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logprobs=logprobs,
-        )
-        return checked_params({k: v for k, v in values.items() if v is not None})
+        if values["temperature"] is None:
+            values["temperature"] = 1.0
+        values.update(max_tokens=max_tokens, logprobs=logprobs)
+        return checked_params(values, _OPENAI_NAMES)
+
+
+_OpenAIRequest = create_model("_OpenAIRequest", __base__=_OpenAIBase, **_sampling_fields(_OPENAI_NAMES))
 
 
 class ChatMessage(_Strict):
@@ -182,28 +200,16 @@ class CompletionRequest(_OpenAIRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class GenerateSamplingParams(_Strict):
-    """SGLang's names for the sampling parameters of /generate."""
-
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    sampling_seed: int | None = None
-    n: int | None = None
+# SGLang's names for the sampling parameters of /generate
+GenerateSamplingParams = create_model(
+    "GenerateSamplingParams", __base__=_Strict, n=(int | None, None), **_sampling_fields(_SGLANG_NAMES)
+)
 
 
 class GenerateRequest(_Strict):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: GenerateSamplingParams | None = None
+    sampling_params: GenerateSamplingParams | None = None  # type: ignore[valid-type]
     stream: bool | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
@@ -232,56 +238,22 @@ class GenerateRequest(_Strict):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
-        logprobs = (self.top_logprobs_num or 0) if self.return_logprob else None
-        values = dict(
-            max_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,  # SGLang's default
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            min_p=sp.min_p,
-            seed=sp.sampling_seed,
-            ignore_eos=sp.ignore_eos,
-            stop=sp.stop,
-            stop_token_ids=sp.stop_token_ids,
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            logprobs=logprobs,
-        )
+        values = _wire_values(sp, _SGLANG_NAMES)
+        if values["max_tokens"] is None:
+            values["max_tokens"] = 128  # SGLang's default
+        values["logprobs"] = (self.top_logprobs_num or 0) if self.return_logprob else None
+        names = {**_SGLANG_NAMES, "logprobs": "top_logprobs_num"}
         try:
-            return checked_params({k: v for k, v in values.items() if v is not None})
-        except APIError as e:  # name the parameter as this endpoint calls it
-            ours = e.param or ""
-            theirs = {
-                "max_tokens": "max_new_tokens",
-                "seed": "sampling_seed",
-                "logprobs": "top_logprobs_num",
-            }.get(ours, ours)
-            message = theirs + e.message[len(ours) :] if e.message.startswith(ours) else e.message
-            param = theirs if theirs == "top_logprobs_num" else f"sampling_params.{theirs}"
-            raise APIError(message, param, e.code) from e
-
-
-def checked_params(values: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from the request's values; a bad value is an APIError naming the parameter."""
-    params = SamplingParams(**values)
-    try:
-        params.validate()
-    except ValueError as e:
-        # validate's messages start with "name=value": the name is the parameter to point at
-        raise APIError(str(e), str(e).split("=", 1)[0], "invalid_value") from e
-    return params
+            return checked_params(values, names, "sampling_params.")
+        except APIError as e:
+            if e.param == "sampling_params.top_logprobs_num":  # a top-level field of the body
+                e.param = "top_logprobs_num"
+            raise
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly."""
-    out = []
-    for i in range(n):
-        p = SamplingParams(**vars(params))
-        if p.seed is not None and i:
-            p.seed += i
-        out.append(p)
-    return out
+    return [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
 
 
 T = TypeVar("T", bound=BaseModel)
