@@ -65,8 +65,5 @@ class _Env:
             "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
         )
 
-    def describe(self) -> str:
-        return "\n".join(f"{v.name}={v.value!r}  # {v.help}" for v in vars(self).values())
-
 
 ENV = _Env()

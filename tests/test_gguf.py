@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import time
 
 import gguf
 import numpy as np
@@ -233,11 +232,18 @@ def test_default_model_config(default_folder: str) -> None:
 
 @needs_default
 @pytest.mark.slow
-def test_default_model_is_cached(default_folder: str, default_cache: str) -> None:
-    start = time.perf_counter()
+def test_default_model_is_cached(default_folder: str, default_cache: str, monkeypatch) -> None:
+    def mtimes() -> dict[str, int]:
+        return {n: os.stat(os.path.join(default_folder, n)).st_mtime_ns for n in os.listdir(default_folder)}
+
+    def convert_again(src: str, out: str) -> None:
+        raise AssertionError(f"{src} was converted again although {default_folder} holds it")
+
+    before = mtimes()
+    monkeypatch.setattr(mgguf, "_convert_into", convert_again)
     again = convert_gguf(default_model_path(), cache_dir=default_cache)
     assert again == default_folder
-    assert time.perf_counter() - start < 0.5
+    assert mtimes() == before  # the cached files are left as they were
     assert [n for n in os.listdir(default_cache) if n.startswith(".")] == []  # no leftover temp folder
 
 

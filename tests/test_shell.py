@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -63,8 +64,8 @@ class Recorder:
         return "".join(self.writes)
 
 
-async def _drive(shell: ChatShell, pipe: object, lines: list[str]) -> None:
-    """Type each line once the shell has answered the one before."""
+async def _drive(shell: ChatShell, pipe: object, lines: list[str], timeout: float = 60) -> None:
+    """Type each line once the shell has answered the one before; fail if an answer takes over `timeout` s."""
     task = asyncio.create_task(shell.run())
     for line in lines:
         turns = len(shell.history)
@@ -72,9 +73,16 @@ async def _drive(shell: ChatShell, pipe: object, lines: list[str]) -> None:
         if line.startswith("/"):
             await asyncio.sleep(0.2)
             continue
+        deadline = time.monotonic() + timeout
         while len(shell.history) < turns + 2 and not task.done():
+            if time.monotonic() > deadline:
+                task.cancel()
+                raise AssertionError(f"the shell did not answer {line!r} within {timeout:g} s")
             await asyncio.sleep(0.02)
-    await asyncio.wait_for(task, 60)
+    try:
+        await asyncio.wait_for(task, timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"the shell was still running {timeout:g} s after {lines[-1]!r}") from None
 
 
 def test_shell_streams_replies_keeps_history_and_resets(
@@ -130,6 +138,19 @@ def _read_until(fd: int, pattern: str, timeout: float) -> str:
     raise AssertionError(f"{pattern!r} did not appear; the terminal showed:\n{out}")
 
 
+def _exit_code(pid: int, timeout: float) -> int:
+    """The exit code of child `pid`; one still running after `timeout` s is killed and the test fails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the shell was still running {timeout:g} s after /exit; killed it")
+
+
 def test_shell_command_runs_in_a_terminal_and_exits_cleanly(model_dir: str) -> None:
     cmd = [sys.executable, "-m", "minisgl", "--shell", "--model", model_dir, "--dtype", "float32"]
     pid, fd = pty.fork()
@@ -139,7 +160,6 @@ def test_shell_command_runs_in_a_terminal_and_exits_cleanly(model_dir: str) -> N
         # the banner, then the prompt (drawn with escape sequences, so only its ">" is looked for)
         _read_until(fd, r"chatting with llama\w*\. /reset[^\n]*\n[\s\S]*>", 240)
         os.write(fd, b"/exit\r")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert _exit_code(pid, 60) == 0
     finally:
         os.close(fd)

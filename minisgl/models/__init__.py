@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.mistral import MistralForCausalLM
@@ -11,14 +9,14 @@ from minisgl.models.qwen2 import Qwen2ForCausalLM
 from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.utils.registry import Registry
 
-MODELS: Registry[type[nn.Module]] = Registry("model architecture")
+MODELS: Registry[type[LlamaForCausalLM]] = Registry("model architecture")
 MODELS.register("LlamaForCausalLM")(LlamaForCausalLM)
 MODELS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
 MODELS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
 MODELS.register("MistralForCausalLM")(MistralForCausalLM)
 
 
-def create_model(config: ModelConfig) -> nn.Module:
+def create_model(config: ModelConfig) -> LlamaForCausalLM:
     return MODELS.get(config.architecture)(config)
 
 

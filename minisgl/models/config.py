@@ -20,21 +20,21 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # the two traits that the model class states, not the HF config (see LlamaForCausalLM)
     attention_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
-    # MoE (Qwen3-MoE); zero experts means a dense MLP
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
+        # imported here: the registry's model classes import this module
+        from minisgl.models import MODELS
+
         arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
+        model_cls = MODELS.get(arch)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         rope_theta = getattr(hf, "rope_theta", None)
@@ -44,11 +44,9 @@ class ModelConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = dict(params)
-        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-            None,
-            "default",
-        ):
-            rope_scaling = None
+        if isinstance(rope_scaling, dict):
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            rope_scaling = None if kind in (None, "default") else rope_scaling
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         use_sliding = getattr(hf, "use_sliding_window", True)
@@ -65,14 +63,10 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=arch.startswith("Qwen2") or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=arch.startswith("Qwen3"),
+            attention_bias=model_cls.attention_bias or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=model_cls.qk_norm,
             hidden_act=getattr(hf, "hidden_act", "silu"),
             rope_scaling=rope_scaling,
             sliding_window=getattr(hf, "sliding_window", None) if use_sliding else None,
-            num_experts=getattr(hf, "num_experts", 0) or 0,
-            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
-            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
             eos_token_ids=eos_ids,
         )

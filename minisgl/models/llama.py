@@ -31,12 +31,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = AttentionLayer(config, layer_id, rotary)
-        self.mlp = self.build_mlp(config, layer_id)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
@@ -48,13 +45,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layer_cls: type[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(config, i, self.rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -65,12 +62,14 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_cls: type[DecoderLayer] = DecoderLayer
+    # traits of the architecture that its HF config does not state; ModelConfig.from_hf reads them
+    attention_bias = False  # a bias on the q/k/v projections (a Llama config may still ask for one)
+    qk_norm = False  # RMSNorm over each query and key head before rotary
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.layer_cls)
+        self.model = DecoderModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,4 +1,4 @@
-"""Qwen2: the Llama decoder with a bias on the q/k/v projections (set by ModelConfig.attention_bias)."""
+"""Qwen2: the Llama decoder with a bias on the q/k/v projections."""
 
 from __future__ import annotations
 
@@ -6,4 +6,4 @@ from minisgl.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    pass
+    attention_bias = True

@@ -1,4 +1,4 @@
-"""Qwen3: the Llama decoder with RMSNorm over each query and key head (set by ModelConfig.qk_norm)."""
+"""Qwen3: the Llama decoder with RMSNorm over each query and key head."""
 
 from __future__ import annotations
 
@@ -6,4 +6,4 @@ from minisgl.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    pass
+    qk_norm = True

@@ -1,4 +1,4 @@
-"""A registry by name: models by HF architecture, attention backends by their short name."""
+"""A registry by name: models by their Hugging Face architecture name."""
 
 from __future__ import annotations
 
@@ -27,6 +27,3 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._items))
             raise ValueError(f"unknown {self.kind} {name!r}; known: {known}")
         return self._items[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._items)

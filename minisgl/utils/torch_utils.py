@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager as ContextManager
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -65,10 +63,6 @@ def create_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-def stream_ctx(stream: Any) -> ContextManager:
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
 def set_stream(stream: Any) -> None:
     if stream is not None:
         torch.cuda.set_stream(stream)
@@ -85,8 +79,3 @@ class CopyDone:
     def synchronize(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
