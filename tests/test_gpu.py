@@ -160,6 +160,19 @@ def _rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> list[float]:
     return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
 
 
+def test_a_shared_prefix_is_computed_once_under_overlap(tiny_model, hf_reference, make_llm, overlap) -> None:
+    # under overlap the next prefill is built before the last one's KV reaches the cache: the requests
+    # behind the first must still wait for it rather than compute the shared prefix again
+    overlap(True)
+    folder = tiny_model("llama")
+    system = random_prompts(1, seed=11, min_len=100, max_len=100)[0]
+    prompts = [system + q for q in random_prompts(8, seed=12, min_len=4, max_len=12)]
+    llm = gpu_llm(make_llm, folder, cache_type="radix", dtype=torch.float32)
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
+    assert [o["cached_tokens"] for o in out] == [0] + [len(system)] * 7
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "llama"])
 def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
     """Every step within BF16_LOGITS_REL_ERR of transformers' float32 logits, and on average no further from

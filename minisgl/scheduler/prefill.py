@@ -64,7 +64,8 @@ class PrefillAdder:
 
     def _waits_for_batch(self, input_ids: list[int], cached_len: int) -> bool:
         """Whether the prompt shares in_batch_prefix_share or more uncached tokens (whole pages, the last left out
-        as in match_req) with one admitted to this batch; a shorter overlap (a chat header) is not worth a step."""
+        as in match_req) with one admitted to this batch or the last; a shorter overlap (a chat header) is not
+        worth a step."""
         if self.in_batch_prefix_share == 0 or self.cache_manager.cache_type == "naive":
             return False
         head = input_ids[: align_up(cached_len + self.in_batch_prefix_share, self.cache_manager.page_size)]
@@ -102,6 +103,8 @@ class PrefillManager:
     decode_manager: DecodeManager
     in_batch_prefix_share: int
     pending_list: list[PendingReq] = field(default_factory=list)
+    # the prompts of the last prefill batch: under overlap its KV may not be in the cache yet
+    last_prompts: list[list[int]] = field(default_factory=list)
 
     def add_one_req(self, pending_req: PendingReq) -> None:
         self.pending_list.append(pending_req)
@@ -119,6 +122,7 @@ class PrefillManager:
             cache_manager=self.cache_manager,
             table_manager=self.table_manager,
             in_batch_prefix_share=self.in_batch_prefix_share,
+            batch_prompts=list(self.last_prompts),
         )
         reqs: list[Req] = []
         chunked_list: list[PendingReq] = []
@@ -131,6 +135,7 @@ class PrefillManager:
                 pending_req.chunked_req = req
                 chunked_list.append(pending_req)
             reqs.append(req)
+        self.last_prompts = [r.input_ids for r in reqs]
         if not reqs:
             return None
         # an unfinished chunked request goes to the head of the queue and continues first next step
