@@ -26,7 +26,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # None: a default that suits the device; 0 turns graphs off
     cuda_graph_bs: list[int] | None = None
-    distributed_addr: str = "tcp://127.0.0.1:29517"
+    distributed_addr: str = "tcp://127.0.0.1:29517"  # torch.distributed's rendezvous, for tp_info.size > 1
+    nnodes: int = 1  # machines the ranks are spread over, evenly
 
     def validate(self) -> None:
         if self.page_size < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -77,7 +78,7 @@ class Engine:
             # with graphs, one more page than the cache manager hands out: the padding rows write there
             self.num_pages + int(use_graphs),
             self.page_size,
-            mc.num_kv_heads // self.tp_info.size,
+            mc.local_kv_heads(self.tp_info.size),
             mc.head_dim,
             self.kv_dtype,
             self.device,
@@ -126,12 +127,20 @@ class Engine:
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
-            torch.cuda.set_device(info.rank)
-            self.device = torch.device("cuda", info.rank)
+            # ranks are spread evenly over the nodes; each takes the GPU of its place on its node
+            local = info.rank % (info.size // self.config.nnodes)
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        # a rank that never shows up fails the rendezvous (and a forward collective) in minutes ...
         dist.init_process_group(
-            backend, init_method=self.config.distributed_addr, rank=info.rank, world_size=info.size
+            backend,
+            init_method=self.config.distributed_addr,
+            rank=info.rank,
+            world_size=info.size,
+            timeout=timedelta(minutes=5),
         )
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # ... but the other ranks wait on this group for as long as rank 0 waits for requests
+        return dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
     def _max_seq_len(self) -> int:
         mc = self.model_config
@@ -157,7 +166,7 @@ class Engine:
         if cfg.num_page_override is not None:
             return cfg.num_page_override
         per_page = MHAKVCache.bytes_per_page(
-            mc.num_layers, cfg.page_size, mc.num_kv_heads // self.tp_info.size, mc.head_dim, self.kv_dtype
+            mc.num_layers, cfg.page_size, mc.local_kv_heads(self.tp_info.size), mc.head_dim, self.kv_dtype
         )
         wanted = div_ceil(cfg.max_running_req * self.max_seq_len, cfg.page_size)
         if self.device.type == "cuda":
@@ -166,6 +175,13 @@ class Engine:
         else:
             budget = int(cfg.cpu_kv_budget_gib * (1 << 30))
         pages = min(wanted, max(budget, 0) // per_page)
+        if self.tp_info.size > 1:
+            import torch.distributed as dist
+
+            # every rank holds the same pages, so the rank with the least memory decides
+            least = torch.tensor([pages])
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.tp_cpu_group)
+            pages = int(least.item())
         if pages < div_ceil(self.max_seq_len, cfg.page_size) // 8 and pages < wanted:
             logger.warning_rank0(f"only {pages} KV pages fit in memory; long prompts will be refused")
         if pages < 1:
@@ -221,6 +237,11 @@ class Engine:
             else:
                 logits = self.model.forward()
         next_tokens = self.sampler.sample(logits[: batch.size], args)
+        if self.tp_info.size > 1:
+            import torch.distributed as dist
+
+            # every rank must continue with the same tokens; rank 0's are the answer
+            dist.broadcast(next_tokens, src=0)
         # the sample is the next step's input: the CPU never has to know it to launch that step
         self.token_pool[forward_input.write_mapping] = next_tokens
         non_blocking = self.device.type == "cuda"

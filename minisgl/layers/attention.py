@@ -16,21 +16,21 @@ from minisgl.models.config import ModelConfig
 class AttentionLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        tp = get_tp_info().size
-        if config.num_qo_heads % tp or config.num_kv_heads % tp:
-            raise ValueError(
-                f"{config.num_qo_heads} query / {config.num_kv_heads} KV heads do not split over {tp} ranks; "
-                "choose a tensor-parallel size that divides both"
-            )
+        info = get_tp_info()
+        config.check_tp(info.size)
         d = config.head_dim
         self.layer_id = layer_id
         self.head_dim = d
-        self.num_qo_heads = config.num_qo_heads // tp
-        self.num_kv_heads = config.num_kv_heads // tp
+        self.num_qo_heads = config.num_qo_heads // info.size
+        self.num_kv_heads = config.local_kv_heads(info.size)
+        q_slice = (info.rank * self.num_qo_heads * d, self.num_qo_heads * d)
+        # with fewer KV heads than ranks, neighbouring ranks keep (replicate) the same head
+        kv_slice = (info.rank * config.num_kv_heads // info.size * d, self.num_kv_heads * d)
         self.qkv_proj = LinearColParallelMerged(
             config.hidden_size,
             [config.num_qo_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
             bias=config.attention_bias,
+            slices=[q_slice, kv_slice, kv_slice],
         )
         self.o_proj = LinearRowParallel(config.num_qo_heads * d, config.hidden_size)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None

@@ -24,15 +24,30 @@ class LinearReplicated(nn.Module):
 
 
 class LinearColParallelMerged(nn.Module):
-    """Several column-parallel projections in one matmul (q|k|v, gate|up); `out_sizes` are the full sizes."""
+    """Several column-parallel projections in one matmul (q|k|v, gate|up); `out_sizes` are the full sizes.
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    `slices` (start, size) says which rows of each full projection this rank keeps; by default the
+    rank's equal share. K/V heads fewer than the ranks are replicated by passing overlapping slices.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool = False,
+        slices: list[tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__()
-        tp = get_tp_info().size
-        for size in out_sizes:
-            if size % tp:
-                raise ValueError(f"output size {size} does not split over {tp} tensor-parallel ranks")
-        self.local_sizes = [s // tp for s in out_sizes]
+        info = get_tp_info()
+        if slices is None:
+            for size in out_sizes:
+                if size % info.size:
+                    raise ValueError(
+                        f"output size {size} does not split over {info.size} tensor-parallel ranks"
+                    )
+            slices = [(info.rank * (s // info.size), s // info.size) for s in out_sizes]
+        self.slices = slices
+        self.local_sizes = [size for _, size in slices]
         total = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(total), requires_grad=False) if bias else None

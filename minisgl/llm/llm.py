@@ -11,6 +11,7 @@ from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.hf import chat_template_ids
@@ -51,16 +52,34 @@ class LLM(Scheduler):
     """
 
     def __init__(
-        self, model_path: str | None = None, dtype: torch.dtype | str | None = "auto", **kwargs: Any
+        self,
+        model_path: str | None = None,
+        dtype: torch.dtype | str | None = "auto",
+        tp_size: int = 1,
+        **kwargs: Any,
     ):
+        """`tp_size` > 1 runs rank 0 in this process and starts the other ranks as child processes."""
         config = SchedulerConfig(
             model_path=model_path,
-            tp_info=DistributedInfo(0, 1),
+            tp_info=DistributedInfo(0, tp_size),
             dtype=parse_dtype(dtype),
             offline_mode=True,
             **kwargs,
         )
-        super().__init__(config)
+        self._ranks: RankProcesses | None = None
+        if tp_size > 1:
+            config.validate()
+            config.model_path = check_tp(config)
+            config.distributed_addr = free_tcp_addr()
+            self._ranks = RankProcesses(config, 1, tp_size)
+        try:
+            super().__init__(config)
+            if self._ranks is not None:
+                self._ranks.wait_ready()
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.kill()
+            raise
         self.pending_requests: list[_Pending] = []
         self.status_map: dict[int, RequestStatus] = {}
         self._abort_queue: list[int] = []
@@ -172,3 +191,8 @@ class LLM(Scheduler):
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
         }
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._ranks is not None:
+            self._ranks.stop()

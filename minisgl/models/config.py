@@ -28,6 +28,24 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def check_tp(self, tp: int) -> None:
+        """Raise ValueError unless the model splits over `tp` tensor-parallel ranks."""
+        bad = []
+        if self.num_qo_heads % tp:
+            bad.append(f"{self.num_qo_heads} attention heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            bad.append(f"{self.num_kv_heads} KV heads (nor is {tp} a multiple of them)")
+        if self.intermediate_size % tp:
+            bad.append(f"intermediate size {self.intermediate_size}")
+        if bad:
+            raise ValueError(
+                f"tensor-parallel size {tp} does not divide the model's {', '.join(bad)}; choose a size that does"
+            )
+
+    def local_kv_heads(self, tp: int) -> int:
+        """KV heads each rank keeps: its share, or one replicated head when the ranks outnumber them."""
+        return max(1, self.num_kv_heads // tp)
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         # imported here: the registry's model classes import this module

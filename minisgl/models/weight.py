@@ -66,7 +66,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         param: torch.Tensor = getattr(module, attr)
         if isinstance(module, LinearColParallelMerged):
             start, size = module.shard_offset(shard or 0)
-            piece = tensor.narrow(0, info.rank * size, size)
+            piece = tensor.narrow(0, module.slices[shard or 0][0], size)
             param.data.narrow(0, start, size).copy_(piece)
             filled.add(f"{target_name}#{shard}")
             continue

@@ -2,22 +2,29 @@
 
 Online, the two methods go over ZMQ to the tokenizer/detokenizer worker, and every reply carries
 the scheduler's load (`stats()`) for /metrics. Offline, `LLM` overrides both in memory.
+
+With tensor parallelism only rank 0 talks to the outside: it forwards every message it receives
+to the other ranks (`receive_all`), so each rank's scheduler sees the same messages at the same
+step and builds the same batches; only rank 0 replies (`reply`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from minisgl.message import BaseBackendMsg, DetokenizeMsg
+from minisgl.distributed import DistributedInfo
+from minisgl.message import BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
 from minisgl.message.frontend import SchedulerStats
 from minisgl.scheduler.config import SchedulerConfig
 
 
 class SchedulerIOMixin:
     def __init__(self, config: SchedulerConfig, tp_cpu_group: Any) -> None:
+        self.tp_info: DistributedInfo = config.tp_info
         self.tp_cpu_group = tp_cpu_group
         self._zmq_io = None
-        if not config.offline_mode:
+        if not config.offline_mode and self.tp_info.rank == 0:
             from minisgl.scheduler.zmq_io import ZmqSchedulerIO
 
             self._zmq_io = ZmqSchedulerIO(config)
@@ -32,6 +39,40 @@ class SchedulerIOMixin:
         stats: SchedulerStats = self.stats()  # type: ignore[attr-defined]
         self._zmq_io.send_result([*reply, stats])
 
+    def receive_all(self, blocking: bool) -> list[BaseBackendMsg]:
+        """receive_msg on rank 0, forwarded to every rank (the others wait here for rank 0)."""
+        if self.tp_info.size == 1:
+            return self.receive_msg(blocking)
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.tp_info.rank == 0:
+            # a request without a seed gets one here, so that every rank samples with the same
+            box[0] = [_with_seed(m) for m in self.receive_msg(blocking)]
+        dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
+        return box[0]
+
+    def reply(self, reply: list[DetokenizeMsg]) -> None:
+        if self.tp_info.rank == 0:
+            self.send_result(reply)
+
     def close_io(self) -> None:
         if self._zmq_io is not None:
             self._zmq_io.close()
+        if self.tp_info.size > 1 and self.tp_info.rank == 0:
+            import torch.distributed as dist
+
+            try:
+                dist.broadcast_object_list([[ExitMsg()]], src=0, group=self.tp_cpu_group)
+            except Exception:  # a rank already gone: its owner kills the rest
+                pass
+
+
+def _with_seed(msg: BaseBackendMsg) -> BaseBackendMsg:
+    if isinstance(msg, BatchBackendMsg):
+        return BatchBackendMsg([_with_seed(m) for m in msg.data])
+    if isinstance(msg, UserMsg) and msg.sampling_params.seed is None:
+        return replace(
+            msg, sampling_params=replace(msg.sampling_params, seed=msg.sampling_params.resolved_seed())
+        )
+    return msg

@@ -92,7 +92,7 @@ class Scheduler(SchedulerIOMixin):
         self._defer_slot_free = True
         busy = self.prefill_manager.runnable or self.decode_manager.runnable
         blocking = last_data is None and not busy
-        for msg in self.receive_msg(blocking=blocking):
+        for msg in self.receive_all(blocking):
             self._process_one_msg(msg)
         forward_input = self._schedule_next_batch()
         ongoing = None
@@ -110,7 +110,7 @@ class Scheduler(SchedulerIOMixin):
         # the plain loop has no in-flight batch, so the release takes effect at once
         self._defer_slot_free = False
         blocking = not (self.prefill_manager.runnable or self.decode_manager.runnable)
-        for msg in self.receive_msg(blocking=blocking):
+        for msg in self.receive_all(blocking):
             self._process_one_msg(msg)
         forward_input = self._schedule_next_batch()
         ongoing = None
@@ -187,7 +187,7 @@ class Scheduler(SchedulerIOMixin):
                     # prefill has just finished: hand the prompt's KV to the prefix cache right away
                     self.cache_manager.cache_req(req, finished=False)
         self.finished_reqs = new_finished
-        self.send_result(reply)
+        self.reply(reply)
         if ENV.DEBUG_CHECK_INTEGRITY.value:
             self.check_integrity()
 
@@ -218,7 +218,7 @@ class Scheduler(SchedulerIOMixin):
                 max_tokens = check_request(msg.input_ids, msg.sampling_params, self.limits)
             except RequestError as e:
                 logger.warning_rank0(f"request {msg.uid} refused: {e}")
-                self.send_result([DetokenizeMsg(msg.uid, -1, True, "error", str(e), error_code=e.code)])
+                self.reply([DetokenizeMsg(msg.uid, -1, True, "error", str(e), error_code=e.code)])
                 return
             params = msg.sampling_params
             pending = PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed(), max_tokens)
@@ -242,7 +242,7 @@ class Scheduler(SchedulerIOMixin):
             self.cache_manager.free_req(req)
             # under overlap it may still be in an in-flight batch: its result there is dropped
             self.finished_reqs.add(req)
-        self.send_result([DetokenizeMsg(uid, -1, True, "abort")])
+        self.reply([DetokenizeMsg(uid, -1, True, "abort")])
 
     def _free_req_resources(self, req: Req) -> None:
         self._free_table_slot(req.table_idx)
