@@ -140,7 +140,12 @@ def main() -> None:
         "--peer-requests", type=int, default=0, help="CUDA peer: the first N requests only (0: all)"
     )
     p.add_argument("--json", default=None, help="write the results to this file")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads for minisgl and the peer (0: torch's choice)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads for minisgl and the peer (0: torch's choice)",
+    )
     args = p.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
