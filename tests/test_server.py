@@ -597,6 +597,19 @@ def test_openai_client_sees_bad_request_errors(server: Server, model_name: str) 
         server.client().chat.completions.create(model="no-such-model", messages=CHAT)
 
 
+def test_every_request_gets_one_log_line_with_its_figures(server: Server, model_name: str) -> None:
+    got = server.client().chat.completions.create(model=model_name, messages=CHAT, max_tokens=2)
+    pattern = (
+        rf"INFO minisgl\.server\.client\] request {got.id}: \d+ prompt tokens \(\d+ cached\), "
+        rf"{got.usage.completion_tokens} output tokens, first token [\d.]+ s, total [\d.]+ s, "
+        rf"finish_reason={got.choices[0].finish_reason}\n"
+    )
+    deadline = time.monotonic() + 10
+    while not re.search(pattern, server.log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(re.findall(pattern, server.log)) == 1, server.log[-2000:]
+
+
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server: Server, model_name: str) -> None:
     before = server.metrics()
     body = json.dumps(
@@ -619,12 +632,13 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server: Server, mod
 
 
 # ---- processes ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_the_server_and_every_child(model_dir: str, sig: int) -> None:
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_the_server_and_every_child(model_dir: str, sig: int, code: int) -> None:
     s = Server(["--model", model_dir, *SERVER_ARGS])
     assert len(s.children) >= 2  # the scheduler and the tokenizer worker (and multiprocessing's tracker)
-    assert s.stop(sig) == 0
+    assert s.stop(sig) == code  # 130 after Ctrl-C, as a shell reports it
     assert _wait_gone(s.children) == set()
+    assert "shutting down" in s.log and "Traceback" not in s.log
 
 
 def test_a_dead_worker_takes_the_server_down_with_a_log_line(model_dir: str) -> None:

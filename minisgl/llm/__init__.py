@@ -1,3 +1,24 @@
-from minisgl.llm.llm import LLM, RequestAllFinished
+"""The offline interface. LLM pulls in torch and transformers, so it is imported only when asked for:
+`python -m minisgl generate --help` (minisgl.llm.cli) answers without them."""
 
-__all__ = ["LLM", "RequestAllFinished"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minisgl.llm.llm import LLM, RequestAllFinished
+    from minisgl.llm.progress import GenerationInterrupted
+
+__all__ = ["LLM", "GenerationInterrupted", "RequestAllFinished"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestAllFinished"):
+        import minisgl.llm.llm
+
+        return getattr(minisgl.llm.llm, name)
+    if name == "GenerationInterrupted":
+        from minisgl.llm.progress import GenerationInterrupted
+
+        return GenerationInterrupted
+    raise AttributeError(name)

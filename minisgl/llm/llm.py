@@ -9,6 +9,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
+from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
@@ -83,6 +84,7 @@ class LLM(Scheduler):
         self.pending_requests: list[_Pending] = []
         self.status_map: dict[int, RequestStatus] = {}
         self._abort_queue: list[int] = []
+        self._progress = GenerateProgress(0, enabled=False)
 
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -113,6 +115,7 @@ class LLM(Scheduler):
 
     def send_result(self, reply: list[DetokenizeMsg]) -> None:
         for msg in reply:
+            self._progress.update(msg)
             status = self.status_map[msg.uid]
             if status.finish_reason is not None:
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
@@ -134,11 +137,15 @@ class LLM(Scheduler):
         self,
         prompts: list[str] | list[list[int]] | str,
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; each output has text, token_ids, finish_reason and error.
 
         Invalid sampling parameters raise ValueError before anything is scheduled. A prompt the model
         cannot take gets finish_reason "error" and a message, while the others complete.
+        `use_tqdm` shows a progress bar on stderr (None: when stderr is a terminal).
+        Ctrl-C raises GenerationInterrupted, a KeyboardInterrupt whose `outputs` hold every prompt's
+        output: what finished as usual, the rest with finish_reason "abort" and the tokens so far.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -152,6 +159,10 @@ class LLM(Scheduler):
             )
         for sp in sampling_params:
             sp.validate()
+        if self._ranks is not None and not self._ranks.alive():
+            raise RuntimeError(
+                "a tensor-parallel rank has stopped (after an error or an interrupt); build a new LLM"
+            )
         self.pending_requests, self.status_map = [], {}
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
@@ -159,23 +170,35 @@ class LLM(Scheduler):
             self.pending_requests.append(_Pending(uid, input_ids, sp))
             detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, streaming=False)
             self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
+        self._progress = GenerateProgress(len(prompts), use_tqdm)
         try:
             self.run_forever()
         except RequestAllFinished:
             pass
+        except KeyboardInterrupt:
+            self._progress.close()  # the bar stops at what finished: the aborts that follow are not progress
+            self._stop_ranks_after_error()
+            self.abort_all()
+            raise GenerationInterrupted(
+                [self._output(self.status_map[i]) for i in range(len(prompts))]
+            ) from None
         except BaseException:
-            self.abort_all()  # an error (or Ctrl-C) mid-run must not leave rows and pages taken
+            self._stop_ranks_after_error()
+            self.abort_all()  # an error mid-run must not leave rows and pages taken
             raise
+        finally:
+            self._progress.close()
         return [self._output(self.status_map[i]) for i in range(len(prompts))]
 
     def chat(
         self,
         conversations: list[list[dict[str, str]]],
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
         prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -191,6 +214,11 @@ class LLM(Scheduler):
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
         }
+
+    def _stop_ranks_after_error(self) -> None:
+        # the other ranks may be inside a step that rank 0 left: they cannot be brought back in step
+        if self._ranks is not None:
+            self._ranks.kill()
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -21,6 +21,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
@@ -192,7 +193,8 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _read_weights(reader: GGUFReader, arch: str, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # shown only on a terminal (disable=None); the log says when the conversion is done
+    for t in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=None, leave=False):
         hf_name = _hf_name(t.name)
         if hf_name is None:
             logger.warning("skipping GGUF tensor %s (no Hugging Face counterpart)", t.name)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers.embedding import VocabParallelEmbedding
@@ -33,10 +34,17 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(
             f"no *.safetensors files in {folder}; pass a Hugging Face model folder or a .gguf file"
         )
+    total = 0
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    # shown only on a terminal (disable=None), and cleared once the weights are in
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None, leave=False) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
 
 
 def _split(name: str) -> tuple[str, str]:

@@ -101,6 +101,9 @@ class RankProcesses:
             if status != "ready":
                 raise RuntimeError(f"the {proc.name} process failed to start:\n{payload or proc.exitcode}")
 
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
     def stop(self) -> None:
         """Wait for the ranks to end (rank 0 has sent them ExitMsg), killing any that does not."""
         for p in self.procs:

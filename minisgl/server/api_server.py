@@ -91,6 +91,11 @@ class _Format:
         self.created = int(time.time())
         self.model, self.n, self.include_usage = model, n, include_usage
 
+    @property
+    def request_id(self) -> str | None:
+        """The call's name in the server's log."""
+        return self.id
+
     def bind(self, group: RequestGroup) -> None:
         """The call's sub-requests have been submitted as `group`."""
 
@@ -230,6 +235,10 @@ class GenerateFormat(_Format):
         self.uids: list[int] = []
         self.arrival = 0.0
 
+    @property
+    def request_id(self) -> str | None:
+        return None  # each sub-request is known by its uid, the meta_info id
+
     def bind(self, group: RequestGroup) -> None:
         self.uids, self.arrival = group.uids, group.arrival
 
@@ -293,14 +302,18 @@ async def _close_on_disconnect(request: Request, group: RequestGroup) -> None:
     group.close()
 
 
-def create_app(info: ServeInfo, make_client: Callable[[], EngineClient]) -> FastAPI:
-    """The app; its EngineClient is made at start-up, inside the server's event loop."""
+def create_app(
+    info: ServeInfo, make_client: Callable[[], EngineClient], on_start: Callable[[], None] | None = None
+) -> FastAPI:
+    """The app; its EngineClient is made at start-up, inside the server's event loop, then `on_start` runs."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = make_client()
         client.start()
         app.state.client, app.state.loop = client, asyncio.get_running_loop()
+        if on_start is not None:
+            on_start()
         yield
         client.close()
 
@@ -318,19 +331,24 @@ def create_app(info: ServeInfo, make_client: Callable[[], EngineClient]) -> Fast
         error = APIError(f"{request.method} {request.url.path}: {exc.detail}", None, None, exc.status_code)
         return JSONResponse(error.body(), status_code=exc.status_code)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (info.model_name, info.model_path):
+    def model_of(name: str | None) -> str:
+        """The model name the answer carries: the one the request named (any served name), else the first."""
+        if name is None:
+            return info.model_name
+        if not info.accepts(name):
+            names = ", ".join(repr(n) for n in info.served_names)
             raise APIError(
-                f"the model {name!r} does not exist; this server serves {info.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {names}",
                 "model",
                 "model_not_found",
                 404,
             )
+        return name
 
     async def serve(request: Request, msgs: list[TokenizeMsg], fmt: _Format, stream: bool) -> Response:
         client = client_of(request)
         try:
-            group = client.submit(msgs)
+            group = client.submit(msgs, fmt.request_id)
         except EngineUnavailable as e:
             raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
         fmt.bind(group)
@@ -374,32 +392,33 @@ def create_app(info: ServeInfo, make_client: Callable[[], EngineClient]) -> Fast
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {
-            "id": info.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "minisgl",
-            "max_model_len": info.max_seq_len,
-        }
-        return {"object": "list", "data": [entry]}
+        entries = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "minisgl",
+                "max_model_len": info.max_seq_len,
+            }
+            for name in info.served_names
+        ]
+        return {"object": "list", "data": entries}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
-        check_model(req.model)
+        model = model_of(req.model)
         messages, n = req.chat(), req.num_choices
         msgs = [TokenizeMsg(0, p, messages=messages) for p in choice_params(req.sampling_params(), n)]
-        return await serve(request, msgs, ChatFormat(info.model_name, n, req.include_usage), bool(req.stream))
+        return await serve(request, msgs, ChatFormat(model, n, req.include_usage), bool(req.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
-        check_model(req.model)
+        model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
         msgs = _prompt_msgs(prompts, choice_params(req.sampling_params(), n))
-        return await serve(
-            request, msgs, CompletionFormat(info.model_name, n, req.include_usage), bool(req.stream)
-        )
+        return await serve(request, msgs, CompletionFormat(model, n, req.include_usage), bool(req.stream))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

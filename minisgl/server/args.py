@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minisgl.distributed import DistributedInfo
-from minisgl.scheduler.config import SchedulerConfig
-from minisgl.utils.torch_utils import parse_dtype
+from minisgl.utils.cli import ArgumentParser
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.config import SchedulerConfig
 
 DEFAULT_PORT = 30000  # SGLang's
 
@@ -19,7 +20,9 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     model: str | None = None  # None: the embedded default model
+    served_model_name: list[str] | None = None  # None: the model's file or folder name
     shell: bool = False
+    log_requests: bool = False  # log each request's prompt and output text, not only its figures
     # the engine's options; None leaves the engine's default, which suits the device
     dtype: str | None = None
     max_running_req: int | None = None
@@ -42,7 +45,17 @@ class ServerArgs:
         name = os.path.basename(os.path.normpath(self.model))
         return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
+    @property
+    def model_names(self) -> list[str]:
+        """Every name clients may pass as `model`, the one /v1/models reports first first."""
+        return list(self.served_model_name) if self.served_model_name else [self.model_name]
+
     def scheduler_config(self, backend_addr: str, detokenizer_addr: str) -> SchedulerConfig:
+        # imported here: they pull in torch, which `--help` must not wait for
+        from minisgl.distributed import DistributedInfo
+        from minisgl.scheduler.config import SchedulerConfig
+        from minisgl.utils.torch_utils import parse_dtype
+
         options: dict[str, Any] = {
             "max_running_req": self.max_running_req,
             "page_size": self.page_size,
@@ -81,37 +94,68 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m minisgl",
-        description="Serve a model with an OpenAI-compatible API (or chat with it: --shell). "
-        "`python -m minisgl generate ...` runs offline generation instead.",
+        usage="%(prog)s [serve] [options]\n       %(prog)s generate [options] [PROMPT ...]",
+        description="Commands: serve (the default) serves a model with an OpenAI-compatible API, or chats "
+        "with it in the terminal (--shell); generate completes prompts offline, without a server "
+        "(`%(prog)s generate --help`). MINISGL_LOG_LEVEL=debug shows tracebacks.",
     )
     p.add_argument("--host", default=ServerArgs.host, help="address to listen on (default: %(default)s)")
     p.add_argument(
         "--port",
         type=_non_negative,
         default=DEFAULT_PORT,
-        help="port (0 picks a free one; default: %(default)s)",
+        help="port to listen on; 0 picks a free one (default: %(default)s)",
     )
     p.add_argument(
         "--model",
         default=None,
         help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--shell", action="store_true", help="chat in this terminal instead of serving HTTP")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names clients may pass as `model`; /v1/models reports the first first, and the model "
+        "path is accepted too (default: the model's file or folder name)",
+    )
+    p.add_argument(
+        "--shell", action="store_true", help="chat in this terminal instead of serving HTTP (default: off)"
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="add each request's prompt and output text to its log line (default: off; the line "
+        "has the token counts and times)",
+    )
     engine = p.add_argument_group("engine", "left out: the engine's default for the device")
     engine.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="weights and activations"
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (default: auto: bfloat16 on CUDA and on CPUs with bfloat16 hardware, else float32)",
     )
-    engine.add_argument("--max-running-req", type=_positive, help="requests decoded at once")
-    engine.add_argument("--page-size", type=_positive, help="tokens per KV page")
-    engine.add_argument("--cache-type", choices=["radix", "naive"], help="prefix cache (naive: none)")
-    engine.add_argument("--max-extend-tokens", type=_positive, help="prompt tokens prefilled per step")
+    engine.add_argument("--max-running-req", type=_positive, help="requests decoded at once (default: 256)")
+    engine.add_argument("--page-size", type=_positive, help="tokens per KV page (default: 1)")
+    engine.add_argument(
+        "--cache-type", choices=["radix", "naive"], help="prefix cache; naive: none (default: radix)"
+    )
+    engine.add_argument(
+        "--max-extend-tokens", type=_positive, help="prompt tokens prefilled per step (default: 8192)"
+    )
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
     engine.add_argument("--max-seq-len", type=_positive, help="context length (default: the model's)")
-    engine.add_argument("--attention-backend", help="attention backend name (default: auto)")
-    engine.add_argument("--cuda-graph-max-bs", type=_non_negative, help="largest CUDA-graph batch (0: none)")
-    engine.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (only 1 for now)")
+    engine.add_argument(
+        "--attention-backend", help="attention backend: torch or triton (default: triton on CUDA, else torch)"
+    )
+    engine.add_argument(
+        "--cuda-graph-max-bs",
+        type=_non_negative,
+        help="largest batch decoded with a CUDA graph; 0: no graphs (default: 256, or --max-running-req if less)",
+    )
+    engine.add_argument(
+        "--tp-size", type=_positive, default=1, help="tensor parallel size; only 1 for now (default: 1)"
+    )
     return p
 
 

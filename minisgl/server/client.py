@@ -2,14 +2,16 @@
 
 A call submits a RequestGroup (one sub-request per prompt and choice); the replies of all its
 sub-requests arrive on the group's queue. Closing a group aborts whatever has not finished, so a
-client that goes away frees its slots and pages.
+client that goes away frees its slots and pages. The client sees every reply, so it is where each
+finished sub-request gets its log line (token counts, time to first token, total time, finish reason).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, UserReply
 from minisgl.server.metrics import Metrics
@@ -23,9 +25,18 @@ logger = init_logger(__name__)
 class ServeInfo:
     """What the front end knows of the model being served."""
 
-    model_name: str
+    model_name: str  # the name /v1/models reports first
     model_path: str | None  # as given on the command line; clients may name the model by it too
     max_seq_len: int
+    other_names: list[str] = field(default_factory=list)  # --served-model-name's names after the first
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.model_name, *self.other_names]
+
+    def accepts(self, name: str) -> bool:
+        """Whether a request naming `name` as its model is for this server."""
+        return name in self.served_names or name == self.model_path
 
 
 class EngineUnavailable(RuntimeError):
@@ -33,15 +44,24 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestGroup:
-    def __init__(self, client: EngineClient, uids: list[int]) -> None:
+    def __init__(self, client: EngineClient, uids: list[int], request_id: str | None = None) -> None:
         self.client = client
         self.uids = uids
         self.index = {uid: i for i, uid in enumerate(uids)}
+        self.request_id = request_id
         self.queue: asyncio.Queue[tuple[int, UserReply]] = asyncio.Queue()
         self.unfinished = set(uids)
-        self.started: set[int] = set()  # sub-requests that have produced a token
+        self.first_token_at: dict[int, float] = {}  # sub-requests that have produced a token, and when
         self.arrival = time.perf_counter()
         self.closed = False
+        self.prompts: dict[int, str] = {}  # the prompt and output text, kept only to be logged
+        self.texts: dict[int, str] = {}
+
+    def name(self, uid: int) -> str:
+        """The sub-request's name in the log: the call's id (with the choice's index when there are several)."""
+        if self.request_id is None:
+            return str(uid)
+        return self.request_id if len(self.uids) == 1 else f"{self.request_id}/{self.index[uid]}"
 
     async def get(self) -> tuple[int, UserReply]:
         """The next reply of any sub-request, with the sub-request's index."""
@@ -55,7 +75,13 @@ class RequestGroup:
 
 
 class EngineClient:
-    def __init__(self, requests_addr: str, replies_addr: str) -> None:
+    """`log_requests`: an INFO line for every finished sub-request; `log_text`: with its prompt and output."""
+
+    def __init__(
+        self, requests_addr: str, replies_addr: str, log_requests: bool = False, log_text: bool = False
+    ) -> None:
+        self.log_requests = log_requests
+        self.log_text = log_requests and log_text
         self._to_worker = ZmqPushQueue(requests_addr)
         self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
@@ -75,13 +101,18 @@ class EngineClient:
             logger.error("the reply receiver failed", exc_info=task.exception())
             self.fail_all(f"the server's reply receiver failed: {task.exception()}")
 
-    def submit(self, msgs: list[TokenizeMsg]) -> RequestGroup:
-        """Send the requests (their uids are assigned here) and return the group their replies go to."""
+    def submit(self, msgs: list[TokenizeMsg], request_id: str | None = None) -> RequestGroup:
+        """Send the requests (their uids are assigned here) and return the group their replies go to.
+
+        `request_id` names the call in the log (None: each sub-request's uid)."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         for msg in msgs:
             msg.uid, self._next_uid = self._next_uid, self._next_uid + 1
-        group = RequestGroup(self, [m.uid for m in msgs])
+        group = RequestGroup(self, [m.uid for m in msgs], request_id)
+        if self.log_text:
+            for msg in msgs:
+                group.prompts[msg.uid] = _prompt_text(msg)
         for uid in group.uids:
             self._groups[uid] = group
         self.metrics.in_flight += len(msgs)
@@ -113,8 +144,8 @@ class EngineClient:
             return
         now = time.perf_counter()
         m = self.metrics
-        if reply.uid not in group.started and reply.completion_tokens > 0:
-            group.started.add(reply.uid)
+        if reply.uid not in group.first_token_at and reply.completion_tokens > 0:
+            group.first_token_at[reply.uid] = now
             m.ttft.observe(now - group.arrival)
             m.prompt_tokens += reply.prompt_tokens
             m.cached_tokens += reply.cached_tokens
@@ -126,7 +157,27 @@ class EngineClient:
             m.finished[reply.finish_reason or "error"] += 1
             if reply.finish_reason in ("stop", "length"):
                 m.e2e.observe(now - group.arrival)
+        if self.log_text:
+            group.texts[reply.uid] = group.texts.get(reply.uid, "") + reply.text
+        if reply.finished and self.log_requests:
+            self._log_finished(group, reply, now)
         group.queue.put_nowait((group.index[reply.uid], reply))
+
+    def _log_finished(self, group: RequestGroup, reply: UserReply, now: float) -> None:
+        first = group.first_token_at.get(reply.uid)
+        ttft = f"{first - group.arrival:.3f} s" if first is not None else "-"
+        line = (
+            f"request {group.name(reply.uid)}: {reply.prompt_tokens} prompt tokens "
+            f"({reply.cached_tokens} cached), {reply.completion_tokens} output tokens, "
+            f"first token {ttft}, total {now - group.arrival:.3f} s, finish_reason={reply.finish_reason}"
+        )
+        if reply.error:
+            line += f", error: {reply.error}"
+        if self.log_text:
+            line += (
+                f", prompt: {group.prompts.get(reply.uid, '')}, output: {group.texts.get(reply.uid, '')!r}"
+            )
+        logger.info(line)
 
     def close(self) -> None:
         if self._task is not None:
@@ -134,3 +185,11 @@ class EngineClient:
         self.fail_all("the server is shutting down")
         self._to_worker.close()
         self._from_worker.close()
+
+
+def _prompt_text(msg: TokenizeMsg) -> str:
+    if msg.messages is not None:
+        return json.dumps(msg.messages, ensure_ascii=False)
+    if msg.text is not None:
+        return repr(msg.text)
+    return str(msg.input_ids)

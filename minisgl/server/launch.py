@@ -3,7 +3,11 @@ serve the HTTP API in this process (or run the chat shell with --shell).
 
 The children are spawned (not forked: torch and ZMQ state must not be shared) and never outlive
 this process. If one of them dies the server goes down with a log line saying which, rather than
-hanging its clients; SIGINT and SIGTERM stop everything in order.
+hanging its clients; SIGINT and SIGTERM stop everything in order (exit code 130 after SIGINT, as a
+shell expects, and 0 after SIGTERM).
+
+A child that fails to start sends its error to the parent, which reports it as one line (the
+traceback too under MINISGL_LOG_LEVEL=debug, or when the error is not one a user can fix).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from typing import Any
 
 from minisgl.scheduler.check import RequestLimits
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.args import ServerArgs
 from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.tokenizer.worker import WorkerAddrs
+from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXPECTED_ERRORS, CommandError
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import exit_now, exit_on_sigterm, init_child_process, ipc_addr
 
@@ -42,8 +47,21 @@ class ModelInfo:
     limits: RequestLimits
 
 
-class StartupError(RuntimeError):
-    pass
+class StartupError(CommandError):
+    """The server cannot start; the message says why and what to change."""
+
+
+@dataclass
+class ChildFailure:
+    """What a child that failed to start sends its parent."""
+
+    message: str
+    traceback: str
+    expected: bool  # a failure the user can fix (a missing file, a bad value): its message is enough
+
+    @classmethod
+    def of(cls, e: Exception) -> ChildFailure:
+        return cls(str(e), traceback.format_exc(), isinstance(e, EXPECTED_ERRORS))
 
 
 # ---- the child processes ----------------------------------------------------------------------
@@ -53,9 +71,12 @@ def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
         from minisgl.scheduler.scheduler import Scheduler
 
         scheduler = Scheduler(config)
-    except Exception:
-        conn.send(("failed", traceback.format_exc()))
-        raise SystemExit(1) from None
+    except Exception as e:
+        conn.send(("failed", ChildFailure.of(e)))
+        # no interpreter teardown: the parent's SIGTERM would land in its atexit handlers
+        exit_now(1)
+    except SystemExit:  # SIGTERM from the parent while the model loads
+        exit_now(0)
     # every reply carries the scheduler's load, which /metrics shows: this first one says it is idle
     scheduler.send_result([])
     info = ModelInfo(scheduler.engine.model_dir, scheduler.limits)
@@ -79,11 +100,11 @@ def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
         info: ModelInfo = conn.recv()
         tokenizer = load_tokenizer(info.model_dir)
         worker = TokenizerWorker(tokenizer, info.limits, addrs)
-    except EOFError:
-        raise SystemExit(0) from None  # the parent gave up before the scheduler was ready
-    except Exception:
-        conn.send(("failed", traceback.format_exc()))
-        raise SystemExit(1) from None
+    except (EOFError, SystemExit):
+        exit_now(0)  # the parent gave up (or stopped us) before the scheduler was ready
+    except Exception as e:
+        conn.send(("failed", ChildFailure.of(e)))
+        exit_now(1)
     conn.send(("ready", None))
     try:
         worker.run_forever()
@@ -151,8 +172,10 @@ class ServerProcesses:
                 status, payload = "failed", None
             if status == "ready":
                 return payload
-            if payload is not None:
-                raise StartupError(f"the {proc.name} process failed to start:\n{payload}")
+            if isinstance(payload, ChildFailure) and payload.expected:
+                raise StartupError(payload.message, payload.traceback)
+            if isinstance(payload, ChildFailure):  # a bug: its traceback is what a report needs
+                raise StartupError(f"the {proc.name} process failed to start:\n{payload.traceback}")
         dead = next((p for p in self.procs if not p.is_alive()), proc)
         dead.join(1.0)
         raise StartupError(f"the {dead.name} process {_describe_exit(dead.exitcode)} during start-up")
@@ -215,7 +238,19 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
 
     from minisgl.server.api_server import create_app
 
-    app = create_app(info, lambda: EngineClient(procs.addrs.requests, procs.addrs.replies))
+    def make_client() -> EngineClient:
+        return EngineClient(
+            procs.addrs.requests, procs.addrs.replies, log_requests=True, log_text=args.log_requests
+        )
+
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    def on_start() -> None:
+        # said once the server handles its signals: Ctrl-C from here on is an orderly shutdown
+        logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
+
+    app = create_app(info, make_client, on_start)
     # a stream still open at shutdown gets a few seconds to finish, then is cut
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
     failed: list[str] = []
@@ -228,42 +263,38 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
         server.should_exit = True
 
     procs.watch(on_failure)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-    logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
-    server.run(sockets=[sock])
-    return 1 if failed else 0
+    try:
+        # uvicorn handles SIGINT itself and raises it again once it has stopped: KeyboardInterrupt here
+        server.run(sockets=[sock])
+    finally:
+        if not failed:  # a dead worker has already said "shutting down"
+            logger.info("shutting down")
+    return EXIT_ERROR if failed else 0
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+def serve(args: ServerArgs) -> int:
+    """Serve (or run the shell) until stopped; the exit code: 0, 1 on a failure, 130 after Ctrl-C."""
     exit_on_sigterm()
     sock: socket.socket | None = None
     procs: ServerProcesses | None = None
-    code = 0
     try:
         if not args.shell:
             sock = _bind(args.host, args.port)
         procs = ServerProcesses(args)
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
-        info = ServeInfo(args.model_name, args.model, model.limits.max_seq_len)
+        names = args.model_names
+        info = ServeInfo(names[0], args.model, model.limits.max_seq_len, names[1:])
         if args.shell:
             from minisgl.server.shell import run_shell
 
-            code = run_shell(procs, info)
-        else:
-            assert sock is not None
-            code = _serve_http(args, sock, procs, info)
-    except StartupError as e:
-        logger.error(str(e))
-        code = 1
+            return run_shell(procs, info)
+        assert sock is not None
+        return _serve_http(args, sock, procs, info)
     except KeyboardInterrupt:
-        pass
+        return EXIT_INTERRUPTED
     finally:
         if procs is not None:
             procs.stop()
         if sock is not None:
             sock.close()
-    if code:
-        raise SystemExit(code)

@@ -11,21 +11,46 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 
+def find_model(model_path: str | None) -> str:
+    """The GGUF file or Hugging Face folder `model_path` names (None: the embedded default model's file).
+
+    It only looks at the file system, so a command can check its model before loading anything; a
+    model that is not there is a FileNotFoundError that says what to pass instead.
+    """
+    if model_path is None:
+        from minisgl.models.gguf import default_model_path
+
+        try:
+            return default_model_path()
+        except RuntimeError as e:  # the default model's package is missing: that is a missing file too
+            raise FileNotFoundError(str(e)) from None
+    what = (
+        "minisgl loads local models only: pass a Hugging Face folder (config.json and *.safetensors) "
+        "or a .gguf file"
+    )
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"model {model_path!r} does not exist; {what}")
+    if os.path.isfile(model_path):
+        if not model_path.endswith(".gguf"):
+            raise FileNotFoundError(f"model {model_path!r} is a file but not a .gguf file; {what}")
+        return model_path
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"model folder {model_path!r} has no config.json; {what}")
+    return model_path
+
+
 def resolve_model_path(model_path: str | None) -> str:
     """A Hugging Face folder for `model_path`; GGUF files (and the default model) are converted once and cached."""
-    if model_path is None or (os.path.isfile(model_path) and model_path.endswith(".gguf")):
+    path = find_model(model_path)
+    if os.path.isfile(path):
         # only GGUF needs the gguf package: a Hugging Face folder loads without it
-        from minisgl.models.gguf import convert_gguf, default_model_path
+        from minisgl.models.gguf import convert_gguf
 
-        return convert_gguf(model_path if model_path is not None else default_model_path())
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(
-            f"model {model_path!r} is neither a folder nor a .gguf file; minisgl loads local models only "
-            "(a Hugging Face folder with config.json and *.safetensors, or a GGUF file)"
-        )
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise FileNotFoundError(f"{model_path} has no config.json; pass a Hugging Face model folder")
-    return model_path
+        try:
+            return convert_gguf(path)
+        except ValueError as e:  # gguf's own messages ("GGUF magic invalid") do not say which file
+            raise ValueError(f"cannot load {path}: {e}") from e
+    return path
 
 
 def load_hf_config(model_dir: str) -> Any:

@@ -10,7 +10,8 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Any
+import threading
+from typing import Any, NoReturn
 
 import zmq
 import zmq.asyncio
@@ -88,6 +89,8 @@ class ZmqAsyncPullQueue:
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
+    # once only: a second SIGTERM while the first one unwinds ends the process without a traceback
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(0)
 
 
@@ -96,7 +99,7 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_exit)
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """End a child process without the interpreter's teardown, which spends seconds collecting torch's
     and transformers' objects when nothing is left to save."""
     sys.stdout.flush()
@@ -109,6 +112,11 @@ def init_child_process() -> None:
     # Ctrl-C in a terminal reaches the whole process group; the parent shuts the children down in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_on_sigterm()
+    # tqdm's default lock is a multiprocessing semaphore, which a child that ends with exit_now never
+    # unregisters: the resource tracker would then warn of a leak at shutdown. A thread lock will do.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     if sys.platform.startswith("linux"):
         parent = os.getppid()
         pr_set_pdeathsig = 1
