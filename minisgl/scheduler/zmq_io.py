@@ -11,8 +11,6 @@ from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
 
 class ZmqSchedulerIO:
     def __init__(self, config: SchedulerConfig) -> None:
-        if config.tp_info.size != 1:
-            raise NotImplementedError("online serving runs one scheduler for now (tensor parallel size 1)")
         self._requests = ZmqPullQueue(config.zmq_backend_addr)
         self._replies = ZmqPushQueue(config.zmq_detokenizer_addr)
 

@@ -34,6 +34,10 @@ class ServerArgs:
     attention_backend: str | None = None
     cuda_graph_max_bs: int | None = None
     tp_size: int = 1
+    # several machines (SGLang's names): the ranks spread evenly; node 0 serves HTTP
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of torch.distributed's rendezvous (node 0 listens)
 
     @property
     def model_name(self) -> str:
@@ -67,9 +71,16 @@ class ServerArgs:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "dtype": parse_dtype(self.dtype) if self.dtype is not None else None,
         }
+        if self.dist_init_addr is not None:
+            options["distributed_addr"] = f"tcp://{self.dist_init_addr}"
+        elif self.tp_size > 1:
+            from minisgl.scheduler.ranks import free_tcp_addr
+
+            options["distributed_addr"] = free_tcp_addr()
         config = SchedulerConfig(
             model_path=self.model,
             tp_info=DistributedInfo(0, self.tp_size),
+            nnodes=self.nnodes,
             offline_mode=False,
             zmq_backend_addr=backend_addr,
             zmq_detokenizer_addr=detokenizer_addr,
@@ -153,8 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         help="largest batch decoded with a CUDA graph; 0: no graphs (default: 256, or --max-running-req if less)",
     )
-    engine.add_argument(
-        "--tp-size", type=_positive, default=1, help="tensor parallel size; only 1 for now (default: 1)"
+    dist = p.add_argument_group("tensor parallelism")
+    dist.add_argument(
+        "--tp-size",
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel ranks, one scheduler process and one GPU each (default: %(default)s)",
+    )
+    dist.add_argument(
+        "--nnodes",
+        type=_positive,
+        default=1,
+        help="machines the ranks spread over evenly (default: %(default)s)",
+    )
+    dist.add_argument(
+        "--node-rank",
+        type=_non_negative,
+        default=0,
+        help="this machine's place among them; node 0 serves HTTP (default: %(default)s)",
+    )
+    dist.add_argument(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        help="torch.distributed rendezvous on node 0, the same on every node; needed with --nnodes > 1 "
+        "(default: a free port on this machine)",
     )
     return p
 
@@ -162,7 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> ServerArgs:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.tp_size != 1:
-        parser.error(f"--tp-size {ns.tp_size}: the server runs one scheduler for now; use --tp-size 1")
+    if ns.tp_size % ns.nnodes:
+        parser.error(f"--tp-size {ns.tp_size} does not spread evenly over --nnodes {ns.nnodes}")
+    if ns.node_rank >= ns.nnodes:
+        parser.error(f"--node-rank {ns.node_rank} must be below --nnodes {ns.nnodes}")
+    if ns.nnodes > 1 and ns.dist_init_addr is None:
+        parser.error(
+            "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
+        )
     names = {f.name for f in fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

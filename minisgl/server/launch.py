@@ -27,6 +27,7 @@ from typing import Any
 
 from minisgl.scheduler.check import RequestLimits
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.ranks import RankProcesses, check_tp
 from minisgl.server.args import ServerArgs
 from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.tokenizer.worker import WorkerAddrs
@@ -134,14 +135,39 @@ class ServerProcesses:
         )
         try:
             self.config = args.scheduler_config(self.addrs.backend, self.addrs.detokenize)
+            if self.config.tp_info.size > 1:
+                # before any process starts; a GGUF file is converted here, once, for every rank
+                self.config.model_path = check_tp(self.config)
         except ValueError as e:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             raise StartupError(f"invalid engine option: {e}") from e
+        per_node = self.config.tp_info.size // self.config.nnodes
+        self.ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
         self.procs: list[BaseProcess] = []
         self.stopping = False
 
+    def start_followers(self) -> None:
+        """Start this node's ranks other than 0 (all of them on a node other than 0) and wait until ready."""
+        first = max(self.ranks.start, 1)
+        followers = RankProcesses(self.config, first, self.ranks.stop)
+        self.procs += followers.procs
+        try:
+            followers.wait_ready()
+        except RuntimeError as e:
+            raise StartupError(str(e)) from e
+        ranks = ", ".join(
+            f"rank {r} (pid {p.pid})" for r, p in zip(range(first, self.ranks.stop), followers.procs)
+        )
+        logger.info(f"scheduler {ranks} ready")
+
+    def wait(self) -> int:
+        """On a node other than 0: wait until a rank ends (rank 0 stopped, or failed)."""
+        wait([p.sentinel for p in self.procs])
+        return 0 if all(p.exitcode == 0 for p in self.procs if not p.is_alive()) else EXIT_ERROR
+
     def start(self, while_waiting: Callable[[], None] | None = None) -> ModelInfo:
-        """Start both processes and wait until they are ready; `while_waiting` runs meanwhile."""
+        """Start rank 0, the tokenizer worker and this node's other ranks, and wait until they are ready;
+        `while_waiting` runs meanwhile."""
         ctx = mp.get_context("spawn")
         sched_conn, sched_child = ctx.Pipe()
         tok_conn, tok_child = ctx.Pipe()
@@ -157,6 +183,8 @@ class ServerProcesses:
         tok_child.close()
         if while_waiting is not None:
             while_waiting()
+        if len(self.ranks) > 1:
+            self.start_followers()
         info = self._wait_ready(sched_conn, self.procs[0])
         tok_conn.send(info)
         self._wait_ready(tok_conn, self.procs[1])
@@ -278,9 +306,12 @@ def serve(args: ServerArgs) -> int:
     sock: socket.socket | None = None
     procs: ServerProcesses | None = None
     try:
-        if not args.shell:
+        if not args.shell and args.node_rank == 0:
             sock = _bind(args.host, args.port)
         procs = ServerProcesses(args)
+        if args.node_rank > 0:  # this node only computes: its ranks follow node 0's rank 0
+            procs.start_followers()
+            return procs.wait()
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
         names = args.model_names

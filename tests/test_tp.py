@@ -1,0 +1,192 @@
+"""Tensor parallelism on the CPU (gloo): real rank processes, offline and behind the server.
+
+Greedy float32 tokens at tp=2 must equal transformers' (and so tp=1's); every rank must stay in step
+whatever the requests do (sampling without a seed, aborts, stop strings); a rank that dies, a
+signal or a bad size must leave no process behind and say what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import Reference
+from test_server import SERVER_ARGS, Server, _descendants, _wait_gone
+from tiny import assert_nothing_held, random_prompts
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+
+PROMPTS = random_prompts(6, seed=5, min_len=3, max_len=30)
+
+
+def tp_llm(folder: str, tp: int = 2, **kwargs: object) -> LLM:
+    return LLM(folder, dtype=torch.float32, tp_size=tp, max_running_req=4, **kwargs)
+
+
+# qwen3-mqa-head-dim has one KV head: at tp=2 both ranks keep (replicate) it
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2-tied", "qwen3-mqa-head-dim"])
+def test_greedy_tokens_at_tp2_equal_transformers(
+    variant: str, tiny_model: Callable[[str], str], hf_reference: Reference
+) -> None:
+    folder = tiny_model(variant)
+    llm = tp_llm(folder, page_size=4)
+    try:
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert [o["token_ids"] for o in out] == hf_reference(folder, PROMPTS, 8)
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+    assert not llm._ranks or not llm._ranks.procs
+
+
+def test_ranks_stay_in_step_through_sampling_aborts_and_stop_strings(
+    tiny_model: Callable[[str], str],
+) -> None:
+    folder = tiny_model("llama")
+    llm = tp_llm(folder)
+    try:
+        # no seed: rank 0 picks one for every rank, or the ranks would sample different tokens
+        sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+        assert all(len(o["token_ids"]) == 12 for o in sampled)
+        text = llm.tokenizer.decode(sampled[0]["token_ids"][3:5])
+        stopped = llm.generate(
+            PROMPTS[:1], SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop=[text] if text else [])
+        )
+        assert stopped[0]["finish_reason"] in ("stop", "length")
+
+        def abort_second(batch: object) -> None:
+            if batch is not None and getattr(batch, "is_decode", False):
+                llm.abort(1)
+
+        llm.step_observers.append(abort_second)
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+        llm.step_observers.clear()
+        assert out[1]["finish_reason"] == "abort"
+        # the ranks agree after all that: greedy again equals a fresh single-rank engine
+        again = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+    single = LLM(folder, dtype=torch.float32, max_running_req=4)
+    try:
+        ref = single.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    finally:
+        single.shutdown()
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ref]
+
+
+def test_a_size_that_does_not_divide_the_model_fails_before_any_process_starts(
+    tiny_model: Callable[[str], str],
+) -> None:
+    before = _descendants(os.getpid())
+    with pytest.raises(
+        ValueError, match="tensor-parallel size 3 does not divide the model's 4 attention heads"
+    ):
+        tp_llm(tiny_model("llama"), tp=3)
+    assert _descendants(os.getpid()) == before
+
+
+def test_a_killed_rank_fails_generate_and_leaves_no_process(tiny_model: Callable[[str], str]) -> None:
+    before = _descendants(os.getpid())  # multiprocessing's resource tracker, once it has started
+    llm = tp_llm(tiny_model("llama"))
+    assert llm._ranks is not None
+    follower = llm._ranks.procs[0]
+
+    def kill_at_first_decode(batch: object) -> None:
+        if batch is not None and getattr(batch, "is_decode", False) and follower.is_alive():
+            os.kill(follower.pid, signal.SIGKILL)
+            follower.join()
+
+    llm.step_observers.append(kill_at_first_decode)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - gloo reports the lost peer as a RuntimeError or worse
+            llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="a tensor-parallel rank has stopped"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
+    assert _wait_gone(_descendants(os.getpid()) - before) == set()
+
+
+# ---- the server -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Callable[[str], str]) -> str:
+    return tiny_model("llama")
+
+
+def _greedy_completions(server: Server, prompts: list[list[int]], n: int) -> list[list[int]]:
+    client = server.client()
+    out = []
+    for p in prompts:
+        r = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=p,
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        out.append(r.choices[0].text)
+    return out
+
+
+def test_a_tp2_server_answers_like_tp1_and_stops_every_rank(model_dir: str) -> None:
+    texts = {}
+    for tp in (1, 2):
+        s = Server(["--model", model_dir, "--tp-size", str(tp), *SERVER_ARGS])
+        try:
+            texts[tp] = _greedy_completions(s, PROMPTS[:3], 8)
+        finally:
+            assert s.stop(signal.SIGTERM) == 0
+        assert _wait_gone(s.children) == set()
+        if tp == 2:
+            assert len(s.children) >= 4  # the scheduler ranks 0 and 1, the tokenizer, and more
+    assert texts[1] == texts[2]
+
+
+def test_a_killed_rank_takes_the_tp2_server_down(model_dir: str) -> None:
+    s = Server(["--model", model_dir, "--tp", "2", *SERVER_ARGS])
+    rank1 = int(re.search(r"rank 1 \(pid (\d+)\)", s.log).group(1))
+    os.kill(rank1, signal.SIGKILL)
+    assert s.wait(60) == 1
+    assert re.search(r"the scheduler-rank1 process \(pid \d+\) was killed by SIGKILL; shutting down", s.log)
+    assert _wait_gone(s.children) == set()
+
+
+def test_two_nodes_on_one_machine_serve_a_request(model_dir: str) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minisgl", "--model", model_dir, *dist, "--node-rank", "1", *SERVER_ARGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(node1.stdout or []), daemon=True)
+    reader.start()
+    try:
+        s = Server(["--model", model_dir, *dist, "--node-rank", "0", *SERVER_ARGS])
+        try:
+            assert len(_greedy_completions(s, PROMPTS[:1], 4)) == 1
+        finally:
+            s.stop(signal.SIGTERM)
+        # rank 0 is gone: node 1's rank ends, and node 1 with it
+        assert node1.wait(60) in (0, 1)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        time.sleep(0.1)
+    assert "ready" in "".join(log)
