@@ -64,6 +64,11 @@ class _Env:
         self.CPU_THREADS = EnvVar(
             "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
         )
+        self.MOE_BACKEND = EnvVar(
+            "MINISGL_MOE_BACKEND",
+            "auto",
+            "MoE backend: auto (triton on CUDA, torch elsewhere), torch, triton",
+        )
 
 
 ENV = _Env()

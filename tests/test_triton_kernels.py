@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from minisgl.engine.sample import filter_logits, hash_uniform  # noqa: E402
 from minisgl.kernel.activation import silu_and_mul  # noqa: E402
 from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
+from minisgl.kernel.moe import align_block_size, fused_moe  # noqa: E402
 from minisgl.kernel.norm import rms_norm, rms_norm_residual  # noqa: E402
 from minisgl.kernel.rotary import apply_rotary  # noqa: E402
 from minisgl.kernel.sampling import filter_logits_partial, sample_tokens  # noqa: E402
@@ -26,6 +27,8 @@ from minisgl.kernel.store import store_kv  # noqa: E402
 from minisgl.layers import activation as torch_activation  # noqa: E402
 from minisgl.layers import norm as torch_norm  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+from minisgl.moe import select_experts  # noqa: E402
+from minisgl.moe.torch_backend import TorchMoeBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
@@ -226,3 +229,36 @@ def test_rotary_with_qk_norm_matches_norm_then_rotary() -> None:
     weights = (q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6)
     apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), weights)
     assert rel_err(q.cpu(), ref_q) < 1e-6 and rel_err(k.cpu(), ref_k) < 1e-6
+
+
+@pytest.mark.parametrize("num_experts, top_k, block_m", [(8, 2, 4), (6, 3, 16), (64, 8, 16)])
+def test_align_block_size_puts_every_pair_once_in_blocks_of_one_expert(num_experts, top_k, block_m) -> None:
+    g = torch.Generator().manual_seed(num_experts)
+    num_tokens = 13
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    sorted_ids, expert_ids, num_padded = align_block_size(topk_ids.to(DEVICE), num_experts, block_m)
+    sorted_ids, expert_ids, used = sorted_ids.cpu().long(), expert_ids.cpu().long(), int(num_padded)
+    num_pairs = num_tokens * top_k
+    counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum()) <= len(sorted_ids)
+    assert sorted(sorted_ids[sorted_ids < num_pairs].tolist()) == list(range(num_pairs))
+    assert (sorted_ids[used:] == num_pairs).all()
+    for b in range(used // block_m):
+        pairs = sorted_ids[b * block_m : (b + 1) * block_m]
+        pairs = pairs[pairs < num_pairs]
+        assert len(pairs) > 0 and (topk_ids.flatten()[pairs] == expert_ids[b]).all()
+
+
+# (tokens, experts, top_k): decode-like, a few tokens per expert, and many (taller row blocks)
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (5, 4, 1), (40, 4, 2), (150, 4, 2)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_moe_matches_the_torch_backend(num_tokens, num_experts, top_k, renormalize) -> None:
+    hidden, inter = 40, 24  # not multiples of the tiles: the masks are exercised
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(num_experts, hidden, inter, generator=g) * 0.2
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize)
+    want = TorchMoeBackend().forward(x, gate_up, down, weights, ids)
+    got = fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids)))
+    assert rel_err(got.cpu(), want) < 1e-5

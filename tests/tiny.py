@@ -46,6 +46,9 @@ def build_tokenizer(folder: str) -> Any:
     return fast
 
 
+# 8 small experts, each token routed to 2 of them
+_MOE = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
 # name -> (architecture, config overrides): every shape of model the tests check against transformers
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),  # 4 query heads share 2 KV heads (GQA), untied LM head
@@ -55,6 +58,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", dict(head_dim=16)),  # RMSNorm over each q/k head
     "qwen3-mqa-head-dim": ("qwen3", dict(head_dim=24, num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral": ("mistral", dict(head_dim=8)),
+    "qwen3-moe": ("qwen3_moe", dict(_MOE, norm_topk_prob=True)),  # top-2 weights rescaled to sum to one
+    "qwen3-moe-unnormalised": ("qwen3_moe", dict(_MOE, norm_topk_prob=False)),
+    # layers 0 and 2 dense by decoder_sparse_step, layer 3 dense by mlp_only_layers: only layer 1 has experts
+    "qwen3-moe-mixed": (
+        "qwen3_moe",
+        dict(_MOE, norm_topk_prob=True, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]),
+    ),
 }
 
 
@@ -71,12 +81,25 @@ def random_prompts(n: int, seed: int = 0, min_len: int = 1, max_len: int = 40) -
 
 
 def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
-    """Save a tiny random model of `arch` (llama, qwen2, qwen3, mistral) with a tokenizer into `folder`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """Save a tiny random model of `arch` (llama, qwen2, qwen3, qwen3_moe, mistral) with a tokenizer into `folder`."""
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
+        "mistral": MistralConfig,
+    }
     tok = build_tokenizer(folder)
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tok),

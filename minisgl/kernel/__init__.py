@@ -19,3 +19,9 @@ def triton_available() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether `x` is computed by the Triton kernels (CUDA tensors, with triton installed)."""
     return x.is_cuda and triton_available()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The input_precision of tl.dot for operands of `dtype`."""
+    # float32 runs are the exact reference: no TF32 inside the kernels
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel import dot_precision
+
 _LOG2E = 1.4426950408889634
 
 
@@ -155,11 +157,6 @@ def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, want))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 runs are the exact reference: no TF32 inside the kernels
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -211,7 +208,7 @@ def decode_attention(
         D=d,
         BLOCK_D=block_d,
         SPLIT=split,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -359,7 +356,7 @@ def extend_attention(
         BLOCK_N=block_n,
         D=d,
         BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype),
         num_warps=8 if block_m == 128 else 4,
         num_stages=2,
     )

@@ -26,6 +26,13 @@ class ModelConfig:
     hidden_act: str = "silu"
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
+    # MoE (Qwen3-MoE): which layers are sparse, and how their experts route; no experts means all dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
 
     def check_tp(self, tp: int) -> None:
@@ -86,5 +93,11 @@ class ModelConfig:
             hidden_act=getattr(hf, "hidden_act", "silu"),
             rope_scaling=rope_scaling,
             sliding_window=getattr(hf, "sliding_window", None) if use_sliding else None,
+            num_experts=getattr(hf, "num_experts", 0) or 0,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(hf, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            decoder_sparse_step=getattr(hf, "decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(getattr(hf, "mlp_only_layers", None) or []),
             eos_token_ids=eos_ids,
         )

@@ -1,6 +1,8 @@
-"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (per-head q/k norm) and Mistral share."""
+"""The Llama decoder, which Qwen2 (qkv bias), Qwen3 (per-head q/k norm), Qwen3-MoE and Mistral share."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,10 +30,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = AttentionLayer(config, layer_id, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -45,13 +47,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, build_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, build_mlp(config, i)) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -69,10 +73,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def build_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+        """The feed-forward block of layer `layer_id` (an MoE model answers with its sparse block where it has one)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self) -> torch.Tensor:
         """Logits of the last position of every request in the batch being forwarded."""

@@ -1,13 +1,16 @@
 """Loading a Hugging Face safetensors checkpoint into a minisgl model, sharded for this TP rank.
 
 Checkpoint names are the model's own names except for the projections minisgl merges into one
-matmul: q/k/v -> qkv_proj and gate/up -> gate_up_proj.
+matmul: q/k/v -> qkv_proj and gate/up -> gate_up_proj, and the experts of an MoE layer, which
+minisgl stacks: experts.{e}.gate_proj/up_proj -> experts.gate_up_proj[e], experts.{e}.down_proj ->
+experts.down_proj[e].
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -15,9 +18,10 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import DistributedInfo, get_tp_info
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
+from minisgl.layers.moe import MoeExperts
 
 _MERGED = {
     "q_proj": ("qkv_proj", 0),
@@ -26,6 +30,10 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# one expert's projection in an MoE layer; MoeExperts stacks them
+_EXPERT = re.compile(
+    r"(?P<module>(?:.+\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+)
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,6 +67,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     for name, tensor in weights:
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None and isinstance(modules.get(expert["module"]), MoeExperts):
+            filled.add(_load_expert(modules[expert["module"]], expert, tensor, info, name))
+            continue
         module_name, attr = _split(name)
         parent, _, leaf = module_name.rpartition(".")
         shard = None
@@ -96,6 +108,32 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     _check_filled(model, modules, params, filled)
 
 
+def _load_expert(
+    experts: MoeExperts, match: re.Match[str], tensor: torch.Tensor, info: DistributedInfo, name: str
+) -> str:
+    """Copy this rank's slice of one expert's projection into the stacked tensors; returns what it filled."""
+    e, proj, size = int(match["expert"]), match["proj"], experts.local_intermediate
+    if e >= experts.num_experts:
+        raise ValueError(f"{name}: expert {e} is beyond the model's {experts.num_experts} experts")
+    hidden, inter = experts.gate_up_proj.shape[2], size * info.size
+    want = (hidden, inter) if proj == "down_proj" else (inter, hidden)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {want}")
+    if proj == "down_proj":
+        # down's input features are the intermediate ones: this rank's columns
+        param, shard = "down_proj", None
+        experts.down_proj.data[e].copy_(tensor.narrow(1, info.rank * size, size))
+    else:
+        param, shard = "gate_up_proj", _MERGED[proj][1]
+        target = experts.gate_up_proj.data[e].narrow(0, shard * size, size)
+        target.copy_(tensor.narrow(0, info.rank * size, size))
+    return _expert_key(f"{match['module']}.{param}", e, shard)
+
+
+def _expert_key(param_name: str, expert: int, shard: int | None) -> str:
+    return f"{param_name}[{expert}]" + ("" if shard is None else f"#{shard}")
+
+
 def _check_filled(
     model: nn.Module, modules: dict[str, nn.Module], params: dict[str, torch.Tensor], filled: set[str]
 ) -> None:
@@ -106,6 +144,10 @@ def _check_filled(
         module = modules[module_name]
         if isinstance(module, LinearColParallelMerged):
             wanted = [f"{pname}#{i}" for i in range(len(module.local_sizes))]
+            missing += [w for w in wanted if w not in filled]
+        elif isinstance(module, MoeExperts):
+            shards = (0, 1) if pname.endswith("gate_up_proj") else (None,)
+            wanted = [_expert_key(pname, e, s) for e in range(module.num_experts) for s in shards]
             missing += [w for w in wanted if w not in filled]
         elif pname not in filled and not (tied and pname == "lm_head.weight"):
             missing.append(pname)
