@@ -33,7 +33,9 @@ def tp_llm(folder: str, tp: int = 2, **kwargs: object) -> LLM:
 
 
 # qwen3-mqa-head-dim has one KV head: at tp=2 both ranks keep (replicate) it
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2-tied", "qwen3-mqa-head-dim"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen3", "qwen2-tied", "qwen3-mqa-head-dim", "qwen3-moe", "qwen3-moe-mixed"]
+)
 def test_greedy_tokens_at_tp2_equal_transformers(
     variant: str, tiny_model: Callable[[str], str], hf_reference: Reference
 ) -> None:

@@ -44,6 +44,8 @@ class ModelConfig:
             bad.append(f"{self.num_kv_heads} KV heads (nor is {tp} a multiple of them)")
         if self.intermediate_size % tp:
             bad.append(f"intermediate size {self.intermediate_size}")
+        if self.num_experts and self.moe_intermediate_size % tp:
+            bad.append(f"expert intermediate size {self.moe_intermediate_size}")
         if bad:
             raise ValueError(
                 f"tensor-parallel size {tp} does not divide the model's {', '.join(bad)}; choose a size that does"
