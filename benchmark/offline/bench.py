@@ -62,6 +62,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
         dtype=args.dtype,
         device=args.device,
         max_running_req=args.max_running_req,
+        tp_size=args.tp_size,
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
     )
@@ -80,7 +81,8 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
     model_dir = llm.engine.model_dir
     dtype = str(llm.engine.config.dtype).removeprefix("torch.")
     llm.shutdown()
-    return Result(f"minisgl ({dtype})", elapsed, produced), model_dir
+    tp = f", tp={args.tp_size}" if args.tp_size > 1 else ""
+    return Result(f"minisgl ({dtype}{tp})", elapsed, produced), model_dir
 
 
 def run_hf_static(
@@ -133,6 +135,7 @@ def main() -> None:
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) for minisgl")
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
     p.add_argument("--peer-batch", type=int, default=0, help="CPU peer batch size (0: all requests at once)")

@@ -47,12 +47,34 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen3-30B-A3B's shape: 128 experts of which 8 are routed per token, every layer sparse
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
-def build(shape: str, folder: str, seed: int = 0) -> str:
+def build(shape: str, folder: str, seed: int = 0, layers: int | None = None) -> str:
     """Save a random bf16 checkpoint of `shape` (a key of SHAPES) into `folder`, unless one is there."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
@@ -61,9 +83,11 @@ def build(shape: str, folder: str, seed: int = 0) -> str:
     from tiny import build_tokenizer
 
     arch, kwargs = SHAPES[shape]
+    if layers is not None:
+        kwargs = {**kwargs, "num_hidden_layers": layers}
     os.makedirs(folder, exist_ok=True)
     tok = build_tokenizer(folder)
-    config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch](
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch](
         **kwargs, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id
     )
     torch.manual_seed(seed)
@@ -78,9 +102,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("folder")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape (say so)")
     args = p.parse_args()
     start = time.perf_counter()
-    build(args.shape, args.folder)
+    build(args.shape, args.folder, layers=args.layers)
     print(f"{args.shape} checkpoint in {args.folder} ({time.perf_counter() - start:.1f} s)")
 
 
