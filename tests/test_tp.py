@@ -15,11 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from conftest import Reference
-from test_server import SERVER_ARGS, Server, _descendants, _wait_gone
+from procs import _descendants, _wait_gone
 from tiny import assert_nothing_held, random_prompts
 
 from minisgl.core import SamplingParams
@@ -119,13 +120,18 @@ def test_a_killed_rank_fails_generate_and_leaves_no_process(tiny_model: Callable
     assert _wait_gone(_descendants(os.getpid()) - before) == set()
 
 
-# ---- the server -----------------------------------------------------------------------------------
+# ---- the server (its test helpers import the openai client, which a GPU machine may lack) ----------
 @pytest.fixture(scope="module")
 def model_dir(tiny_model: Callable[[str], str]) -> str:
     return tiny_model("llama")
 
 
-def _greedy_completions(server: Server, prompts: list[list[int]], n: int) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def serving() -> Any:
+    return pytest.importorskip("test_server")
+
+
+def _greedy_completions(server: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     client = server.client()
     out = []
     for p in prompts:
@@ -140,10 +146,10 @@ def _greedy_completions(server: Server, prompts: list[list[int]], n: int) -> lis
     return out
 
 
-def test_a_tp2_server_answers_like_tp1_and_stops_every_rank(model_dir: str) -> None:
+def test_a_tp2_server_answers_like_tp1_and_stops_every_rank(model_dir: str, serving: Any) -> None:
     texts = {}
     for tp in (1, 2):
-        s = Server(["--model", model_dir, "--tp-size", str(tp), *SERVER_ARGS])
+        s = serving.Server(["--model", model_dir, "--tp-size", str(tp), *serving.SERVER_ARGS])
         try:
             texts[tp] = _greedy_completions(s, PROMPTS[:3], 8)
         finally:
@@ -154,8 +160,8 @@ def test_a_tp2_server_answers_like_tp1_and_stops_every_rank(model_dir: str) -> N
     assert texts[1] == texts[2]
 
 
-def test_a_killed_rank_takes_the_tp2_server_down(model_dir: str) -> None:
-    s = Server(["--model", model_dir, "--tp", "2", *SERVER_ARGS])
+def test_a_killed_rank_takes_the_tp2_server_down(model_dir: str, serving: Any) -> None:
+    s = serving.Server(["--model", model_dir, "--tp", "2", *serving.SERVER_ARGS])
     rank1 = int(re.search(r"rank 1 \(pid (\d+)\)", s.log).group(1))
     os.kill(rank1, signal.SIGKILL)
     assert s.wait(60) == 1
@@ -163,7 +169,7 @@ def test_a_killed_rank_takes_the_tp2_server_down(model_dir: str) -> None:
     assert _wait_gone(s.children) == set()
 
 
-def test_two_nodes_on_one_machine_serve_a_request(model_dir: str) -> None:
+def test_two_nodes_on_one_machine_serve_a_request(model_dir: str, serving: Any) -> None:
     import socket
 
     with socket.socket() as sock:
@@ -171,7 +177,17 @@ def test_two_nodes_on_one_machine_serve_a_request(model_dir: str) -> None:
         port = sock.getsockname()[1]
     dist = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "minisgl", "--model", model_dir, *dist, "--node-rank", "1", *SERVER_ARGS],
+        [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "--model",
+            model_dir,
+            *dist,
+            "--node-rank",
+            "1",
+            *serving.SERVER_ARGS,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -180,7 +196,7 @@ def test_two_nodes_on_one_machine_serve_a_request(model_dir: str) -> None:
     reader = threading.Thread(target=lambda: log.extend(node1.stdout or []), daemon=True)
     reader.start()
     try:
-        s = Server(["--model", model_dir, *dist, "--node-rank", "0", *SERVER_ARGS])
+        s = serving.Server(["--model", model_dir, *dist, "--node-rank", "0", *serving.SERVER_ARGS])
         try:
             assert len(_greedy_completions(s, PROMPTS[:1], 4)) == 1
         finally:
