@@ -64,6 +64,9 @@ class _Env:
         self.CPU_THREADS = EnvVar(
             "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
         )
+        self.TRACE = EnvVar(
+            "MINISGL_TRACE", "", "write a timeline trace (Perfetto / Chrome JSON) of the run to this path"
+        )
 
 
 ENV = _Env()

@@ -31,6 +31,7 @@ class ServerArgs:
     attention_backend: str | None = None
     cuda_graph_max_bs: int | None = None
     tp_size: int = 1
+    trace: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--attention-backend", help="attention backend name (default: auto)")
     engine.add_argument("--cuda-graph-max-bs", type=_non_negative, help="largest CUDA-graph batch (0: none)")
     engine.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (only 1 for now)")
+    p.add_argument(
+        "--trace", metavar="PATH", help="write a timeline of the run (Perfetto JSON; docs/trace.md)"
+    )
     return p
 
 

@@ -28,6 +28,7 @@ from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import exit_now, exit_on_sigterm, init_child_process, ipc_addr
+from minisgl.utils.trace import TRACE, trace_server
 
 logger = init_logger(__name__)
 
@@ -238,6 +239,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     exit_on_sigterm()
+    trace_server(args.trace)
     sock: socket.socket | None = None
     procs: ServerProcesses | None = None
     code = 0
@@ -265,5 +267,6 @@ def main(argv: list[str]) -> None:
             procs.stop()
         if sock is not None:
             sock.close()
+        TRACE.finish()  # the children have stopped: their parts are complete
     if code:
         raise SystemExit(code)
