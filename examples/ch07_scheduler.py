@@ -1,11 +1,12 @@
 """Chapter 7: the offline interface running 5 requests, printing the batch scheduled each step.
 
 To see only the skeleton, overlap scheduling is off and the naive cache is used (no prefix reuse).
-Usage: python examples/ch07_scheduler.py [MODEL]  (a Hugging Face folder or a .gguf file;
-without one, the embedded default model).
+Usage: python examples/ch07_scheduler.py [MODEL] [--trace PATH]  (a Hugging Face folder or a .gguf
+file; without one, the embedded default model). With --trace, the same run is also written as a
+timeline to open in Perfetto (docs/trace.md).
 """
 
-import sys
+import argparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -14,15 +15,19 @@ from minisgl.core import SamplingParams
 from minisgl.env import ENV
 from minisgl.llm import LLM
 
+parser = argparse.ArgumentParser(description="the scheduler running five requests")
+parser.add_argument("model", nargs="?", default=None, help="default: the embedded default model")
+parser.add_argument("--trace", default=None, help="also write the run's timeline (Perfetto JSON) here")
+args = parser.parse_args()
 ENV.DISABLE_OVERLAP_SCHEDULING.value = True
-path = sys.argv[1] if len(sys.argv) > 1 else None  # None: the embedded default model
 llm = LLM(
-    path,
+    args.model,
     dtype=torch.float32,
     max_running_req=8,
     num_page_override=1024,
     max_seq_len_override=512,
     cache_type="naive",
+    trace=args.trace,
 )
 
 

@@ -69,6 +69,9 @@ class _Env:
             "auto",
             "MoE backend: auto (triton on CUDA, torch elsewhere), torch, triton",
         )
+        self.TRACE = EnvVar(
+            "MINISGL_TRACE", "", "write a timeline trace (Perfetto / Chrome JSON) of the run to this path"
+        )
 
 
 ENV = _Env()

@@ -8,6 +8,7 @@ graphs, overlap and page size must not change any token.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -154,6 +155,41 @@ def test_abort_of_an_inflight_prefill_under_overlap_frees_everything_once(
     assert [o["token_ids"] for i, o in enumerate(again) if i != aborted[0]] == [
         o["token_ids"] for i, o in enumerate(out) if i != aborted[0]
     ]
+
+
+def test_trace_has_device_time_from_cuda_events_for_every_step(
+    tiny_model, make_llm, overlap, tmp_path
+) -> None:
+    overlap(True)
+    path = str(tmp_path / "gpu.json")
+    llm = gpu_llm(make_llm, tiny_model("qwen3"), max_running_req=4, max_extend_tokens=80, trace=path)
+    sizes: list[int] = []
+    llm.step_observers.append(lambda b: b is not None and sizes.append(b.size))
+    llm.generate(random_prompts(10, seed=3, max_len=60), SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.shutdown()
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    device_tid = next(tid for tid, name in threads.items() if name.startswith("device cuda"))
+    assert "CUDA events" in threads[device_tid]
+    host = [e for e in events if e["ph"] == "X" and "kind" in e.get("args", {})]
+    device = [e for e in events if e["ph"] == "X" and e["tid"] == device_tid]
+    results = {e["args"]["step"]: e for e in events if e["ph"] == "X" and e["name"] == "results"}
+    assert [h["args"]["batch_size"] for h in host] == sizes
+    assert [d["args"]["step"] for d in device] == [h["args"]["step"] for h in host]
+    slack = 2000  # us: CUDA time is placed on the host clock by one synchronised event
+    for h, d in zip(host, device):
+        assert d["dur"] == h["args"]["device_us"] > 0 and "launch_us" in h["args"]
+        # the device runs a step after its launch begins, and is done when its results are handled
+        assert d["ts"] >= h["ts"] - slack
+        r = results[h["args"]["step"]]
+        assert d["ts"] + d["dur"] <= r["ts"] + r["dur"] + slack
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(device, device[1:]))
+    # overlap: the device starts step k+1 before the host has finished handling step k's results
+    assert any(
+        nxt["ts"] < results[cur["args"]["step"]]["ts"] + results[cur["args"]["step"]]["dur"]
+        for cur, nxt in zip(device, device[1:])
+    )
 
 
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int, dtype: torch.dtype) -> torch.Tensor:

@@ -54,7 +54,7 @@ def make_workload(num: int, lo: int, hi: int, vocab: int, seed: int) -> Workload
     return Workload(prompts, output_lens)
 
 
-def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
+def run_minisgl(args: argparse.Namespace, work: Workload, trace: str | None = None) -> tuple[Result, str]:
     from minisgl import LLM, SamplingParams
 
     llm = LLM(
@@ -65,6 +65,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
         tp_size=args.tp_size,
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
+        trace=trace,
     )
     params = [
         SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True, seed=i)
@@ -82,7 +83,8 @@ def run_minisgl(args: argparse.Namespace, work: Workload) -> tuple[Result, str]:
     dtype = str(llm.engine.config.dtype).removeprefix("torch.")
     llm.shutdown()
     tp = f", tp={args.tp_size}" if args.tp_size > 1 else ""
-    return Result(f"minisgl ({dtype}{tp})", elapsed, produced), model_dir
+    name = f"minisgl ({dtype}{tp}{', traced' if trace else ''})"
+    return Result(name, elapsed, produced), model_dir
 
 
 def run_hf_static(
@@ -144,6 +146,12 @@ def main() -> None:
     )
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="run minisgl again with its timeline trace written to PATH, and print what tracing costs",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -168,6 +176,13 @@ def main() -> None:
     ours, model_dir = run_minisgl(args, work)
     results.append(ours)
     print(f"{ours.name:<48} {ours.seconds:8.2f} s {ours.tokens_per_s:10.1f} output tok/s", flush=True)
+    if args.trace:
+        traced, _ = run_minisgl(args, work, trace=args.trace)
+        print(f"{traced.name:<48} {traced.seconds:8.2f} s {traced.tokens_per_s:10.1f} output tok/s")
+        print(
+            f"tracing costs {100 * (traced.seconds / ours.seconds - 1):+.1f}% of the untraced time",
+            flush=True,
+        )
     if args.peer != "none":
         if device == "cuda":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -197,6 +212,7 @@ def main() -> None:
                     "input_tokens": work.input_tokens,
                     "output_tokens": work.output_tokens,
                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                    "traced": asdict(traced) | {"tokens_per_s": traced.tokens_per_s} if args.trace else None,
                 },
                 f,
                 indent=2,

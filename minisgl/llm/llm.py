@@ -17,6 +17,7 @@ from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
+from minisgl.utils.trace import TRACE
 
 Prompt = str | list[int]
 
@@ -128,6 +129,7 @@ class LLM(Scheduler):
                 self._abort_queue.append(msg.uid)
             if step.finished:
                 status.finish_reason, status.error = step.finish_reason, msg.error
+                TRACE.point(msg.uid, "answer", step.finish_reason)
 
     def abort(self, uid: int) -> None:
         """Abort request `uid` of the running generate call (from a callback or another thread)."""
@@ -171,6 +173,7 @@ class LLM(Scheduler):
             detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, streaming=False)
             self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
         self._progress = GenerateProgress(len(prompts), use_tqdm)
+        TRACE.arrivals(list(self.status_map))
         try:
             self.run_forever()
         except RequestAllFinished:

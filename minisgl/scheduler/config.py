@@ -17,6 +17,7 @@ class SchedulerConfig(EngineConfig):
     offline_mode: bool = False
     zmq_backend_addr: str = ""  # where rank 0 receives requests (online mode)
     zmq_detokenizer_addr: str = ""  # where rank 0 sends DetokenizeMsg replies (online mode)
+    trace: str | None = None  # write a timeline of the run to this file (utils/trace.py); None: MINISGL_TRACE
 
     def validate(self) -> None:
         super().validate()

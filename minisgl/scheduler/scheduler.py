@@ -24,6 +24,7 @@ from minisgl.scheduler.utils import CacheStats, PendingReq
 from minisgl.utils.hf import eos_token_ids, load_tokenizer
 from minisgl.utils.logger import init_logger
 from minisgl.utils.torch_utils import create_stream, set_stream
+from minisgl.utils.trace import TRACE
 
 logger = init_logger(__name__)
 
@@ -72,6 +73,8 @@ class Scheduler(SchedulerIOMixin):
         # tests and tools watch the schedule through this, never by replacing methods
         self.step_observers: list[Callable[[Batch | None], None]] = []
         super().__init__(config, self.engine.tp_cpu_group)
+        process = "offline LLM" if config.offline_mode else f"scheduler rank {config.tp_info.rank}"
+        TRACE.start(config.trace, process, owner=config.offline_mode, device=self.device.type)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -120,6 +123,7 @@ class Scheduler(SchedulerIOMixin):
         self._process_last_data(ongoing)
 
     def _schedule_next_batch(self) -> ForwardInput | None:
+        TRACE.step_begin()
         # prefill first: prefill whenever anything is waiting and fits, decode otherwise
         batch = (
             self.prefill_manager.schedule_next_batch(self.prefill_budget)
@@ -129,12 +133,15 @@ class Scheduler(SchedulerIOMixin):
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
             forward_input = self.engine.prepare_batch(batch)
+        TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
         return forward_input
 
     def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
+        TRACE.forward_begin()
         output = self.engine.forward_batch(forward_input)
+        TRACE.forward_end()
         batch = forward_input.batch
         for req in batch.reqs:
             req.complete_one()
@@ -145,6 +152,7 @@ class Scheduler(SchedulerIOMixin):
     def _process_last_data(self, last_data: ForwardData | None) -> None:
         if last_data is None:
             return
+        TRACE.results_begin()
         batch, output = last_data[0].batch, last_data[1]
         logprobs = output.logprobs
         # the sample is on the CPU: this batch and every earlier one are done
@@ -187,7 +195,9 @@ class Scheduler(SchedulerIOMixin):
                     # prefill has just finished: hand the prompt's KV to the prefix cache right away
                     self.cache_manager.cache_req(req, finished=False)
         self.finished_reqs = new_finished
+        TRACE.step_done(self, reply)
         self.reply(reply)
+        TRACE.results_end()
         if ENV.DEBUG_CHECK_INTEGRITY.value:
             self.check_integrity()
 
@@ -218,11 +228,13 @@ class Scheduler(SchedulerIOMixin):
                 max_tokens = check_request(msg.input_ids, msg.sampling_params, self.limits)
             except RequestError as e:
                 logger.warning_rank0(f"request {msg.uid} refused: {e}")
+                TRACE.point(msg.uid, "refused", e.code)
                 self.reply([DetokenizeMsg(msg.uid, -1, True, "error", str(e), error_code=e.code)])
                 return
             params = msg.sampling_params
             pending = PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed(), max_tokens)
             self.prefill_manager.add_one_req(pending)
+            TRACE.point(msg.uid, "queued")
         elif isinstance(msg, AbortBackendMsg):
             self._abort(msg.uid)
         else:
@@ -242,6 +254,7 @@ class Scheduler(SchedulerIOMixin):
             self.cache_manager.free_req(req)
             # under overlap it may still be in an in-flight batch: its result there is dropped
             self.finished_reqs.add(req)
+        TRACE.point(uid, "abort")
         self.reply([DetokenizeMsg(uid, -1, True, "abort")])
 
     def _free_req_resources(self, req: Req) -> None:
@@ -302,6 +315,7 @@ class Scheduler(SchedulerIOMixin):
     def shutdown(self) -> None:
         self.close_io()
         self.engine.shutdown()
+        TRACE.finish()
 
 
 class _EngineStreamCtx:

@@ -38,6 +38,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of torch.distributed's rendezvous (node 0 listens)
+    trace: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="torch.distributed rendezvous on node 0, the same on every node; needed with --nnodes > 1 "
         "(default: a free port on this machine)",
+    )
+    p.add_argument(
+        "--trace", metavar="PATH", help="write a timeline of the run (Perfetto JSON; docs/trace.md)"
     )
     return p
 

@@ -17,6 +17,7 @@ from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, User
 from minisgl.server.metrics import Metrics
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue
+from minisgl.utils.trace import TRACE
 
 logger = init_logger(__name__)
 
@@ -116,6 +117,7 @@ class EngineClient:
         for uid in group.uids:
             self._groups[uid] = group
         self.metrics.in_flight += len(msgs)
+        TRACE.arrivals(group.uids)
         self._to_worker.put(msgs)
         return group
 
@@ -146,11 +148,13 @@ class EngineClient:
         m = self.metrics
         if reply.uid not in group.first_token_at and reply.completion_tokens > 0:
             group.first_token_at[reply.uid] = now
+            TRACE.point(reply.uid, "first reply")
             m.ttft.observe(now - group.arrival)
             m.prompt_tokens += reply.prompt_tokens
             m.cached_tokens += reply.cached_tokens
         if reply.finished:
             del self._groups[reply.uid]
+            TRACE.point(reply.uid, "reply", reply.finish_reason)
             group.unfinished.discard(reply.uid)
             m.in_flight -= 1
             m.generation_tokens += reply.completion_tokens

@@ -34,6 +34,7 @@ from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXPECTED_ERRORS, CommandError
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import exit_now, exit_on_sigterm, init_child_process, ipc_addr
+from minisgl.utils.trace import TRACE, trace_server
 
 logger = init_logger(__name__)
 
@@ -303,6 +304,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
 def serve(args: ServerArgs) -> int:
     """Serve (or run the shell) until stopped; the exit code: 0, 1 on a failure, 130 after Ctrl-C."""
     exit_on_sigterm()
+    trace_server(args.trace)
     sock: socket.socket | None = None
     procs: ServerProcesses | None = None
     try:
@@ -329,3 +331,4 @@ def serve(args: ServerArgs) -> int:
             procs.stop()
         if sock is not None:
             sock.close()
+        TRACE.finish()  # the children have stopped: their parts are complete

@@ -21,6 +21,7 @@ from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.tokenizer.tokenize import TokenizeManager
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
+from minisgl.utils.trace import TRACE
 
 logger = init_logger(__name__)
 
@@ -55,6 +56,7 @@ class TokenizerWorker:
         self._from_scheduler = ZmqPullQueue(self.addrs.detokenize)
         self._to_api = ZmqPushQueue(self.addrs.replies)
         self._to_scheduler = ZmqPushQueue(self.addrs.backend)
+        TRACE.start(None, "tokenizer worker")
 
     def run_forever(self) -> None:
         poller = zmq.Poller()
@@ -63,13 +65,16 @@ class TokenizerWorker:
         while True:
             ready = dict(poller.poll(POLL_MS))
             if self._from_api.socket in ready:
-                self._handle_api(self._from_api.drain())
+                with TRACE.slice("tokenize"):
+                    self._handle_api(self._from_api.drain())
             if self._from_scheduler.socket in ready:
-                self._handle_scheduler(self._from_scheduler.drain())
+                with TRACE.slice("detokenize"):
+                    self._handle_scheduler(self._from_scheduler.drain())
 
     def close(self) -> None:
         for queue in (self._from_api, self._from_scheduler, self._to_api, self._to_scheduler):
             queue.close()
+        TRACE.finish()
 
     # ---- API server -> scheduler -------------------------------------------------------------
     def _handle_api(self, batches: list[list[Any]]) -> None:
@@ -93,6 +98,7 @@ class TokenizerWorker:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, msg.sampling_params.stop)
                 self.requests[msg.uid] = _Request(detokenizer, len(ids))
                 to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
+                TRACE.point(msg.uid, "tokenize")
             elif isinstance(msg, AbortMsg):
                 to_scheduler.append(AbortBackendMsg(msg.uid))
             else:
@@ -134,6 +140,7 @@ class TokenizerWorker:
             self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
         if step.finished:
             del self.requests[msg.uid]
+            TRACE.point(msg.uid, "detokenize", step.finish_reason)
         reply.prompt_tokens, reply.cached_tokens = req.prompt_tokens, req.cached_tokens
         reply.completion_tokens = req.completion_tokens
         return reply
