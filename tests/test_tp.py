@@ -98,6 +98,9 @@ def test_a_size_that_does_not_divide_the_model_fails_before_any_process_starts(
     assert _descendants(os.getpid()) == before
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="NCCL notices a lost rank only at its collective timeout (minutes)"
+)
 def test_a_killed_rank_fails_generate_and_leaves_no_process(tiny_model: Callable[[str], str]) -> None:
     before = _descendants(os.getpid())  # multiprocessing's resource tracker, once it has started
     llm = tp_llm(tiny_model("llama"))

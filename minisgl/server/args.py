@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: a free port on this machine)",
     )
     p.add_argument(
-        "--trace", metavar="PATH", help="write a timeline of the run (Perfetto JSON; docs/trace.md)"
+        "--trace",
+        metavar="PATH",
+        help="write a timeline of the run (Perfetto JSON; docs/trace.md) (default: off)",
     )
     return p
 
