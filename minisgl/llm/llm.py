@@ -75,6 +75,8 @@ class LLM(Scheduler):
             config.distributed_addr = free_tcp_addr()
             self._ranks = RankProcesses(config, 1, tp_size)
         try:
+            if self._ranks is not None:
+                self._ranks.wait_started()
             super().__init__(config)
             if self._ranks is not None:
                 self._ranks.wait_ready()

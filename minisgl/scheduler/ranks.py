@@ -54,12 +54,13 @@ def check_tp(config: SchedulerConfig) -> str:
 
 
 def _rank_main(config: SchedulerConfig, conn: Connection) -> None:
-    from minisgl.utils.mp import exit_now, init_child_process
-
-    init_child_process()
     try:
         from minisgl.scheduler.scheduler import Scheduler
+        from minisgl.utils.process import exit_now, init_child_process
 
+        init_child_process()
+        # said before the rendezvous, which would wait minutes for a rank that could not even start
+        conn.send(("started", None))
         scheduler = Scheduler(config)
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
@@ -93,13 +94,23 @@ class RankProcesses:
             self.procs.append(proc)
             self.conns.append(conn)
 
+    def wait_started(self) -> None:
+        """Wait until every rank has its imports done and is about to meet the others."""
+        self._wait_for("started")
+
     def wait_ready(self) -> None:
+        """Wait until every rank's scheduler is built."""
+        self._wait_for("ready")
+
+    def _wait_for(self, wanted: str) -> None:
         """Raise RuntimeError saying which rank failed to start, and why."""
         for proc, conn in zip(self.procs, self.conns):
-            wait([conn, proc.sentinel])
-            status, payload = conn.recv() if conn.poll() else ("failed", None)
-            if status != "ready":
-                raise RuntimeError(f"the {proc.name} process failed to start:\n{payload or proc.exitcode}")
+            status, payload = "started", None
+            while status != wanted:
+                wait([conn, proc.sentinel])
+                status, payload = conn.recv() if conn.poll() else ("failed", f"exit code {proc.exitcode}")
+                if status == "failed":
+                    raise RuntimeError(f"the {proc.name} process failed to start:\n{payload}")
 
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)

@@ -33,7 +33,8 @@ from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXPECTED_ERRORS, CommandError
 from minisgl.utils.logger import init_logger
-from minisgl.utils.mp import exit_now, exit_on_sigterm, init_child_process, ipc_addr
+from minisgl.utils.mp import ipc_addr
+from minisgl.utils.process import exit_now, exit_on_sigterm, init_child_process
 from minisgl.utils.trace import TRACE, trace_server
 
 logger = init_logger(__name__)
