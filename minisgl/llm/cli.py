@@ -12,12 +12,41 @@ import argparse
 import logging
 import sys
 import time
-from typing import Any
+from dataclasses import fields
+from typing import Any, get_args, get_origin, get_type_hints
 
+from minisgl.params import SamplingParams
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, ArgumentParser, CommandError, debug_enabled
 from minisgl.utils.hf import find_model
 
 HEADER_CHARS = 72  # a prompt is shown by its start, on one line
+# where the command line differs from SamplingParams: a shorter default, and no logprobs to print
+_DEFAULTS = {"max_tokens": 128}
+_LEFT_OUT = {"logprobs"}
+
+
+def _sampling_fields() -> list[str]:
+    return [f.name for f in fields(SamplingParams) if f.name not in _LEFT_OUT]
+
+
+def _add_sampling_options(group: Any) -> None:
+    """One option per SamplingParams field, with its help and default from the field itself."""
+    hints = get_type_hints(SamplingParams)
+    for f in fields(SamplingParams):
+        if f.name in _LEFT_OUT:
+            continue
+        flag, text, kind = "--" + f.name.replace("_", "-"), f.metadata["help"], hints[f.name]
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=f"{text} (default: off)")
+        elif get_origin(kind) is list:
+            item = get_args(kind)[0]
+            group.add_argument(
+                flag, action="append", type=item, default=[], help=f"{text}; repeatable (default: none)"
+            )
+        else:
+            scalar = next(t for t in (int, float) if t is kind or t in get_args(kind))
+            default = _DEFAULTS.get(f.name, f.default)
+            group.add_argument(flag, type=scalar, default=default, help=f"{text} (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,44 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar and no summary line (default: both; the bar only in a terminal)",
     )
-    sampling = p.add_argument_group("sampling")
-    sampling.add_argument(
-        "--max-tokens", type=int, default=128, help="most tokens generated per prompt (default: %(default)s)"
-    )
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    sampling.add_argument(
-        "--top-k",
-        type=int,
-        default=-1,
-        help="sample among the k likeliest tokens; -1: all (default: %(default)s)",
-    )
-    sampling.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="sample among the likeliest tokens whose probabilities add up to p (default: %(default)s)",
-    )
-    sampling.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="drop tokens less likely than min-p times the likeliest one (default: %(default)s)",
-    )
-    sampling.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the sampling noise, for repeatable samples (default: random)",
-    )
-    sampling.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        help="a string that ends the completion; repeatable (default: none)",
-    )
-    sampling.add_argument(
-        "--ignore-eos", action="store_true", help="go on past the end-of-sequence token (default: off)"
-    )
+    _add_sampling_options(p.add_argument_group("sampling"))
     engine = p.add_argument_group("engine")
     engine.add_argument(
         "--dtype",
@@ -106,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
     engine.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    engine.add_argument(
+        "--tp-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, one GPU each (default: %(default)s)",
+    )
     return p
 
 
@@ -115,18 +114,7 @@ def main(argv: list[str]) -> int:
     prompts = args.prompts or _stdin_prompts()
     find_model(args.model)  # a missing model fails now, not after seconds of imports
 
-    from minisgl.core import SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    params = SamplingParams(**{name: getattr(args, name) for name in _sampling_fields()})
     try:
         params.validate()
     except ValueError as e:
@@ -145,6 +133,7 @@ def main(argv: list[str]) -> int:
         cache_type=args.cache_type,
         page_size=args.page_size,
         max_seq_len_override=args.max_seq_len,
+        tp_size=args.tp_size,
     )
     try:
         return _generate(llm, args, prompts, params)

@@ -1,0 +1,111 @@
+"""SamplingParams: how one request is sampled and when it stops, and the errors of a request minisgl
+will not run. No torch here: the command line reads these fields to build its help."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A request minisgl will not run, with what to change; `param` names the field at fault, `code`
+    is the OpenAI-style error code the API server reports."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class InvalidParam(RequestError):
+    """A sampling parameter out of its range; `named(alias)` is the same error under an API's name for it."""
+
+    def __init__(self, param: str, value: Any, want: str) -> None:
+        super().__init__(f"{param}={value!r} is invalid: {want}", param)
+        self.value, self.want = value, want
+
+    def named(self, alias: str) -> InvalidParam:
+        return InvalidParam(alias, self.value, self.want)
+
+
+def _param(default: Any, help: str) -> Any:
+    # the help text is the one description of a field: the CLI and the API models are built from it
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops. Defaults follow the OpenAI API (temperature 0 is greedy)."""
+
+    max_tokens: int = _param(1024, "most tokens to generate (cut to what the context length leaves)")
+    temperature: float = _param(0.0, "softmax temperature; 0 is greedy")
+    top_k: int = _param(-1, "sample among the k most likely tokens; -1 or 0 turns it off")
+    top_p: float = _param(1.0, "sample from the smallest set of tokens whose probability reaches p")
+    min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one")
+    seed: int | None = _param(None, "seed of the sampling noise: the same seed gives the same tokens")
+    ignore_eos: bool = _param(False, "keep generating after an end-of-sequence token")
+    stop: list[str] = _param([], "strings that end the output (not included in it)")
+    stop_token_ids: list[int] = _param([], "token ids that end the output (not included in it)")
+    presence_penalty: float = _param(0.0, "subtracted once from the logit of every generated token")
+    frequency_penalty: float = _param(0.0, "subtracted per occurrence from the logit of generated tokens")
+    repetition_penalty: float = _param(1.0, "divides the logits of every token seen so far; 1 turns it off")
+    logprobs: int | None = _param(None, "top log-probabilities per token (0: the chosen one); None: off")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def validate(self) -> None:
+        """Raise InvalidParam naming the parameter and the range it must be in."""
+
+        def bad(name: str, want: str) -> InvalidParam:
+            return InvalidParam(name, getattr(self, name), want)
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "it must be an integer >= 1")
+        if not (self.temperature >= 0.0):
+            raise bad("temperature", "it must be >= 0 (0 means greedy)")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "it must be an integer >= 1, or -1 / 0 to turn it off")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "it must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "it must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "it must be an integer or None")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", "it must be in [-2, 2]")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", "it must be in [-2, 2]")
+        if not (self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "it must be > 0 (1 turns it off)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "each stop string must be a non-empty string")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def resolved_seed(self) -> int:
+        """The seed a request samples with: the user's, or a fresh random one.
+
+        Any integer is a seed; the sampler hashes it as a signed 64-bit integer, so it is folded into that range.
+        """
+        if self.seed is None:
+            return random.getrandbits(62)
+        return (self.seed + (1 << 63)) % (1 << 64) - (1 << 63)
