@@ -211,3 +211,22 @@ def test_two_nodes_on_one_machine_serve_a_request(model_dir: str, serving: Any) 
             node1.kill()
         time.sleep(0.1)
     assert "ready" in "".join(log)
+
+
+def test_a_tp2_trace_has_every_rank_with_the_same_steps(tiny_model: Callable[[str], str], tmp_path) -> None:
+    import json
+
+    path = str(tmp_path / "tp.json")
+    llm = tp_llm(tiny_model("llama"), trace=path)
+    try:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    events = json.load(open(path))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(names.values()) == ["offline LLM", "scheduler rank 1"]
+    steps = {
+        pid: [e["name"] for e in events if e["pid"] == pid and e.get("name") in ("prefill", "decode")]
+        for pid in names
+    }
+    assert len(set(map(tuple, steps.values()))) == 1 and steps[next(iter(steps))]

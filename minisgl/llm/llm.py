@@ -225,7 +225,6 @@ class LLM(Scheduler):
         if self._ranks is not None:
             self._ranks.kill()
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def stop_other_ranks(self) -> None:
         if self._ranks is not None:
             self._ranks.stop()

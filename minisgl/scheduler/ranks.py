@@ -73,6 +73,9 @@ def _rank_main(config: SchedulerConfig, conn: Connection) -> None:
     except BaseException:  # rank 0 is gone or failed: its collective broke
         logger.exception(f"rank {config.tp_info.rank} stopped")
         code = 1
+    from minisgl.utils.trace import TRACE
+
+    TRACE.finish()  # exit_now skips the interpreter's exit hooks
     exit_now(code)
 
 

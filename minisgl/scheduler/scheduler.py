@@ -73,8 +73,10 @@ class Scheduler(SchedulerIOMixin):
         # tests and tools watch the schedule through this, never by replacing methods
         self.step_observers: list[Callable[[Batch | None], None]] = []
         super().__init__(config, self.engine.tp_cpu_group)
-        process = "offline LLM" if config.offline_mode else f"scheduler rank {config.tp_info.rank}"
-        TRACE.start(config.trace, process, owner=config.offline_mode, device=self.device.type)
+        rank, offline = config.tp_info.rank, config.offline_mode
+        process = f"scheduler rank {rank}" if not offline or rank else "offline LLM"
+        # offline, rank 0's process merges the parts; online, the launcher does
+        TRACE.start(config.trace, process, owner=offline and rank == 0, device=self.device.type)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -314,8 +316,12 @@ class Scheduler(SchedulerIOMixin):
 
     def shutdown(self) -> None:
         self.close_io()
+        self.stop_other_ranks()
         self.engine.shutdown()
         TRACE.finish()
+
+    def stop_other_ranks(self) -> None:
+        """Offline, rank 0's owner waits here for the other ranks to end (their trace parts are complete)."""
 
 
 class _EngineStreamCtx:

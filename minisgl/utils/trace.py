@@ -111,8 +111,10 @@ class Tracer:
             self.finish()
         self.path = os.path.abspath(path)
         if owner:
-            for stale in _parts(self.path):  # left by a run that never merged them
-                os.remove(stale)
+            # left by a run that never merged them (a rank started beside this one may have begun already)
+            for stale in _parts(self.path):
+                if not _alive(int(stale.rsplit("-", 1)[1].split(".")[0])):
+                    os.remove(stale)
         self._pid, self._tid = os.getpid(), threading.get_native_id()
         slug = re.sub(r"\W+", "-", process).strip("-").lower()
         self._file = open(f"{self.path}.{slug}-{self._pid}.part", "w", buffering=1 << 16)
@@ -345,6 +347,16 @@ def trace_server(path: str | None) -> None:
 
 
 # ---- merging ---------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _parts(path: str) -> list[str]:
     return sorted(glob.glob(glob.escape(path) + ".*.part"))
 
