@@ -20,3 +20,7 @@ for tp in 1 2; do
     timeout 150 python benchmark/offline/bench.py --model /tmp/ckpt/llama3-8b --device cuda --peer none \
         --tp-size $tp --json "$OUT/bench_llama3_8b_tp$tp.json" 2>&1 | tail -1
 done
+# the MoE: Qwen3-30B-A3B's shape (all 48 layers) at tp=2
+timeout 240 python benchmark/offline/random_checkpoint.py qwen3-30b-a3b /tmp/ckpt/qwen3-30b-a3b 2>&1 | tail -1
+timeout 240 python benchmark/offline/bench.py --model /tmp/ckpt/qwen3-30b-a3b --device cuda --peer none \
+    --tp-size 2 --json "$OUT/bench_qwen3_30b_a3b_tp2.json" 2>&1 | tail -1
