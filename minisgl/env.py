@@ -59,10 +59,13 @@ class _Env:
         self.CACHE_DIR = EnvVar(
             "MINISGL_CACHE_DIR",
             os.path.join(os.path.expanduser("~"), ".cache", "minisgl"),
-            "where converted GGUF checkpoints are kept",
+            "where converted GGUF checkpoints and the built CPU kernels are kept",
         )
         self.CPU_THREADS = EnvVar(
             "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
+        )
+        self.DISABLE_CPU_KERNELS = EnvVar(
+            "MINISGL_DISABLE_CPU_KERNELS", False, "use torch ops instead of the C kernels built for the CPU"
         )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",

@@ -6,6 +6,10 @@ the full workload (256 requests, [100, 1024]); scale it down on a CPU, e.g.
     python benchmark/offline/bench.py --num-requests 64 --min-len 32 --max-len 256
 The peer on CPU is transformers' static batched `generate` (float32 and bf16); on CUDA it is
 transformers' continuous batching (benchmark/offline/peer_cuda.py).
+
+`--scenarios 1,16,64,prefill500` runs fixed scenarios instead of the workload and prints one table:
+N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once) and
+prefillN (one N-token prompt, one new token: prompt tokens/s), each the median of --repeat runs.
 """
 
 from __future__ import annotations
@@ -124,6 +128,100 @@ def run_hf_static(
     return Result(name, elapsed, work.output_tokens)
 
 
+def scenario_work(name: str, vocab: int) -> tuple[list[list[int]], int]:
+    """Prompts and new tokens of a scenario: "N" streams or "prefillN"."""
+    rng = random.Random(0)
+    top = min(10000, vocab - 1)
+    if name.startswith("prefill"):
+        return [[rng.randint(0, top) for _ in range(int(name.removeprefix("prefill")))]], 1
+    return [[rng.randint(0, top) for _ in range(32)] for _ in range(int(name))], 128
+
+
+def scenario_rate(name: str, prompts: list[list[int]], new: int, seconds: float) -> float:
+    """Output tokens/s for streams, prompt tokens/s for a prefill."""
+    return (
+        sum(len(p) for p in prompts) / seconds if name.startswith("prefill") else len(prompts) * new / seconds
+    )
+
+
+def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
+    from statistics import median
+
+    from minisgl import LLM, SamplingParams
+
+    names = args.scenarios.split(",")
+    works = {n: scenario_work(n, vocab) for n in names}
+    streams = max(len(p) for p, _ in works.values())
+    longest = max(len(x) + new for p, new in works.values() for x in p)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_running_req=max(streams, 4),
+        cache_type="naive",
+        max_seq_len_override=longest + 8,
+    )
+    llm.generate([[1] * 16] * 2, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    rates: dict[str, dict[str, float]] = {n: {} for n in names}
+    dtype = str(llm.engine.config.dtype).removeprefix("torch.")
+    ours = f"minisgl ({dtype})"
+    for n, (prompts, new) in works.items():
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0))
+            times.append(time.perf_counter() - start)
+        rates[n][ours] = scenario_rate(n, prompts, new, median(times))
+        print(
+            f"{n:<12} {ours:<28} {rates[n][ours]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
+            flush=True,
+        )
+    model_dir = llm.engine.model_dir
+    llm.shutdown()
+    columns = [ours]
+    if args.peer != "none":
+        from transformers import AutoModelForCausalLM
+
+        for peer_dtype in args.peer_dtypes.split(","):
+            dt = torch.float32 if peer_dtype == "float32" else torch.bfloat16
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).eval()
+            col = f"transformers ({peer_dtype})"
+            columns.append(col)
+            for n, (prompts, new) in works.items():
+                ids = torch.tensor(prompts)
+                times = []
+                for _ in range(args.repeat):
+                    start = time.perf_counter()
+                    with torch.inference_mode():
+                        model.generate(
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            max_new_tokens=new,
+                            min_new_tokens=new,
+                            do_sample=False,
+                            eos_token_id=None,
+                            pad_token_id=0,
+                        )
+                    times.append(time.perf_counter() - start)
+                rates[n][col] = scenario_rate(n, prompts, new, median(times))
+                print(
+                    f"{n:<12} {col:<28} {rates[n][col]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
+                    flush=True,
+                )
+            del model
+    print()
+    print("| scenario | " + " | ".join(columns) + (" | minisgl / best peer |" if len(columns) > 1 else " |"))
+    print("|---" * (len(columns) + 1 + (len(columns) > 1)) + "|")
+    for n in names:
+        cells = [f"{rates[n][c]:.1f}" for c in columns]
+        ratio = (
+            f" | {rates[n][ours] / max(rates[n][c] for c in columns[1:]):.2f}x" if len(columns) > 1 else ""
+        )
+        unit = "prompt tok/s" if n.startswith("prefill") else "output tok/s"
+        label = f"{n} ({unit})" if n.startswith("prefill") else f"{n} stream{'s' if n != '1' else ''}"
+        print(f"| {label} | " + " | ".join(cells) + ratio + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -144,6 +242,12 @@ def main() -> None:
     p.add_argument(
         "--peer-requests", type=int, default=0, help="CUDA peer: the first N requests only (0: all)"
     )
+    p.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma separated: N (N streams, 128 new tokens each) or prefillN; e.g. 1,16,64,prefill500",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="runs of each scenario (the median is reported)")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument(
         "--trace",
@@ -167,6 +271,9 @@ def main() -> None:
     from minisgl.utils.hf import load_hf_config, resolve_model_path
 
     vocab = ModelConfig.from_hf(load_hf_config(resolve_model_path(args.model))).vocab_size
+    if args.scenarios:
+        run_scenarios(args, vocab)
+        return
     work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
     print(
         f"workload: {len(work.prompts)} requests, lengths U[{args.min_len}, {args.max_len}], seed {args.seed}: "

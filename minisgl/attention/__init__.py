@@ -1,4 +1,4 @@
-"""Attention backends by name; the engine picks "torch" on CPU and "triton" on CUDA unless told otherwise."""
+"""Attention backends by name; "auto" is "triton" on CUDA, and on the CPU "cpu" where its C kernel builds, else "torch"."""
 
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ def create_attn_backend(
     name: str, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device
 ) -> BaseAttnBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from minisgl.kernel.cpu import library
+
+        lib = library() if device.type == "cpu" else None
+        if lib is not None:
+            from minisgl.attention.cpu_backend import CpuAttnBackend
+
+            return CpuAttnBackend(kv_cache, page_table, device, lib)
+        # without a C compiler the torch backend does the same work, slower
+        name = "torch"
     if name == "torch":
         from minisgl.attention.torch_backend import TorchAttnBackend
 
@@ -21,7 +31,7 @@ def create_attn_backend(
         from minisgl.attention.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend(kv_cache, page_table, device)
-    raise ValueError(f"attention backend {name!r} is unknown; use one of auto, torch, triton")
+    raise ValueError(f"attention backend {name!r} is unknown; use one of auto, cpu, torch, triton")
 
 
 __all__ = ["BaseAttnBackend", "create_attn_backend"]

@@ -65,9 +65,8 @@ class Engine:
 
         mc = self.model_config
         self.page_size = config.page_size
-        self.kv_dtype = config.kv_cache_dtype or (
-            config.dtype if self.device.type == "cuda" else torch.float32
-        )
+        # the model's dtype, as transformers keeps it: a bf16 pool halves the bytes each decode step reads
+        self.kv_dtype = config.kv_cache_dtype or config.dtype
         self.num_pages = self._num_pages()
         graph_bs = config.cuda_graph_max_bs
         if graph_bs is None:

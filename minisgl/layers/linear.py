@@ -11,6 +11,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.kernel import cpu as cpu_kernels
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there)."""
+    if (
+        x.dim() == 2
+        and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.shape[1] % 16 == 0
+        and weight.is_contiguous()
+    ):
+        lib = cpu_kernels.library()
+        if lib is not None:
+            y = cpu_kernels.linear_bf16(lib, x, weight)
+            return y + bias if bias is not None else y
+    return F.linear(x, weight, bias)
 
 
 class LinearReplicated(nn.Module):
@@ -20,7 +38,7 @@ class LinearReplicated(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class LinearColParallelMerged(nn.Module):
@@ -57,7 +75,7 @@ class LinearColParallelMerged(nn.Module):
         return start, self.local_sizes[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class LinearRowParallel(nn.Module):
@@ -70,6 +88,6 @@ class LinearRowParallel(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,155 @@
+"""C kernels for the CPU path, built with the system's C compiler on first use and loaded through ctypes.
+
+They need no torch headers, so a build takes about a second. The library is compiled for the CPU it
+runs on (`-march=native`) and cached under a name made of the source's and the CPU flags' hash, so a
+cache shared between different machines never hands one a library with instructions it lacks. Where
+no compiler is found or the build fails, `library()` returns None and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from minisgl.env import ENV
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = ["attention.c", "linear.c"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    # lets the compiler vectorise the dot products' sums; no NaN/inf assumptions (scores start at -inf)
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(target: Path, sources: list[Path]) -> None:
+    cc = os.environ.get("CC", "cc")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target, then renamed: processes building at once never load a half-written file
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built here (the callers then use torch ops)."""
+    if ENV.DISABLE_CPU_KERNELS:
+        return None
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    target = Path(ENV.CACHE_DIR.value) / "cpu_kernels" / f"minisgl_cpu_{digest.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(target, sources)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning(
+            f"the CPU kernels could not be built ({detail.strip()[:300]}); using torch ops instead"
+        )
+        return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, p, i32, i32, i32, i32, f32, i32]
+    lib.decode_attention.restype = None
+    lib.linear_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
+    lib.linear_bf16.restype = None
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, Hq, D]; k/v_cache: [slots, Hk, D] float32 or bf16; page_table: [R, W] int32 token slots;
+    rows, lens: [B] int64 -> [B, Hq, D] float32, each query over the first lens[b] slots of its row."""
+    assert k_cache.dtype in (torch.float32, torch.bfloat16) and page_table.dtype == torch.int32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
+    q = q.to(torch.float32).contiguous()
+    rows, lens = rows.contiguous(), lens.contiguous()
+    bs, num_q, d = q.shape
+    out = torch.empty_like(q)
+    lib.decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16),
+        page_table.data_ptr(),
+        page_table.stride(0),
+        rows.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        bs,
+        num_q,
+        k_cache.shape[1],
+        d,
+        scale,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+# the most rows of x the small-batch linear kernel is used for: at 4 rows oneDNN catches up with it
+# (measured on AVX512-BF16 without AMX), and linear.c takes at most 8
+LINEAR_MAX_ROWS = 2
+
+
+def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] with M <= 8, weight: [N, K] bf16, K % 16 == 0 -> x @ weight.T in x's dtype."""
+    assert (
+        weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[0] <= 8 and x.shape[1] % 16 == 0
+    )
+    xf = x.to(torch.float32).contiguous()
+    (m, k), n = xf.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.linear_bf16(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y.to(x.dtype)
