@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
     engine.add_argument("--max-seq-len", type=_positive, help="context length (default: the model's)")
     engine.add_argument(
-        "--attention-backend", help="attention backend: torch or triton (default: triton on CUDA, else torch)"
+        "--attention-backend",
+        help="attention backend: torch, cpu or triton (default: triton on CUDA, cpu on a CPU with a C compiler, else torch)",
     )
     engine.add_argument(
         "--cuda-graph-max-bs",
