@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, UserReply
 from minisgl.server.metrics import Metrics
@@ -26,6 +26,7 @@ class ServeInfo:
     model_name: str
     model_path: str | None  # as given on the command line; clients may name the model by it too
     max_seq_len: int
+    stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
 
 
 class EngineUnavailable(RuntimeError):
@@ -55,7 +56,7 @@ class RequestGroup:
 
 
 class EngineClient:
-    def __init__(self, requests_addr: str, replies_addr: str) -> None:
+    def __init__(self, requests_addr: str, replies_addr: str, stats: SchedulerStats | None = None) -> None:
         self._to_worker = ZmqPushQueue(requests_addr)
         self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
@@ -63,6 +64,8 @@ class EngineClient:
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
         self.metrics = Metrics()
+        if stats is not None:  # until the scheduler's first report arrives
+            self.metrics.scheduler = stats
 
     def start(self) -> None:
         """Start receiving replies; call from inside the running event loop."""
@@ -76,16 +79,18 @@ class EngineClient:
             self.fail_all(f"the server's reply receiver failed: {task.exception()}")
 
     def submit(self, msgs: list[TokenizeMsg]) -> RequestGroup:
-        """Send the requests (their uids are assigned here) and return the group their replies go to."""
+        """Send the prompts (their choices' uids are assigned here) and return the group their replies go to."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         for msg in msgs:
-            msg.uid, self._next_uid = self._next_uid, self._next_uid + 1
-        group = RequestGroup(self, [m.uid for m in msgs])
+            msg.uids = list(range(self._next_uid, self._next_uid + len(msg.sampling_params)))
+            self._next_uid += len(msg.uids)
+        # registered only once the worker has them: a message that cannot be sent leaves nothing behind
+        self._to_worker.put(msgs)
+        group = RequestGroup(self, [uid for msg in msgs for uid in msg.uids])
         for uid in group.uids:
             self._groups[uid] = group
-        self.metrics.in_flight += len(msgs)
-        self._to_worker.put(msgs)
+        self.metrics.in_flight += len(group.uids)
         return group
 
     def abort(self, uids: list[int]) -> None:

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minisgl.message.frontend import SchedulerStats
 from minisgl.scheduler.check import RequestLimits
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
@@ -40,6 +41,7 @@ class ModelInfo:
 
     model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
     limits: RequestLimits
+    stats: SchedulerStats  # the idle scheduler's load: /metrics shows it from the first scrape
 
 
 class StartupError(RuntimeError):
@@ -56,9 +58,7 @@ def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
     except Exception:
         conn.send(("failed", traceback.format_exc()))
         raise SystemExit(1) from None
-    # every reply carries the scheduler's load, which /metrics shows: this first one says it is idle
-    scheduler.send_result([])
-    info = ModelInfo(scheduler.engine.model_dir, scheduler.limits)
+    info = ModelInfo(scheduler.engine.model_dir, scheduler.limits, scheduler.stats())
     conn.send(("ready", info))
     try:
         scheduler.run_forever()
@@ -214,10 +214,19 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
     import uvicorn
 
     from minisgl.server.api_server import create_app
+    from minisgl.server.guard import HttpLimits, h11_protocol
 
-    app = create_app(info, lambda: EngineClient(procs.addrs.requests, procs.addrs.replies))
-    # a stream still open at shutdown gets a few seconds to finish, then is cut
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    http = HttpLimits(args.max_request_bytes, args.read_timeout)
+    app = create_app(info, lambda: EngineClient(procs.addrs.requests, procs.addrs.replies, info.stats), http)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        http=h11_protocol(http.read_timeout_s),
+        timeout_keep_alive=http.keep_alive_s,
+        # a stream still open at shutdown gets a few seconds to finish, then is cut
+        timeout_graceful_shutdown=3,
+    )
+    server = uvicorn.Server(config)
     failed: list[str] = []
 
     def on_failure(reason: str) -> None:
@@ -247,7 +256,7 @@ def main(argv: list[str]) -> None:
         procs = ServerProcesses(args)
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
-        info = ServeInfo(args.model_name, args.model, model.limits.max_seq_len)
+        info = ServeInfo(args.model_name, args.model, model.limits.max_seq_len, model.stats)
         if args.shell:
             from minisgl.server.shell import run_shell
 
