@@ -3,9 +3,21 @@ will not run. No torch here: the command line reads these fields to build its he
 
 from __future__ import annotations
 
+import math
 import random
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
+
+# Integers cross process boundaries as msgpack, which carries 64 bits: signed ones, and unsigned seeds.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+SEED_RANGE = (INT64_MIN, (1 << 64) - 1)
+# Stop strings are searched in every request's text after every token, by the one detokenizer every
+# request shares: their number and length are bounded so that no request can slow the others down.
+MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 256
+MAX_STOP_TOKEN_IDS = 1024  # looked up after every token
+# A temperature below this is greedy (vLLM's rule): dividing logits by it would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestError(ValueError):
@@ -21,7 +33,8 @@ class InvalidParam(RequestError):
     """A sampling parameter out of its range; `named(alias)` is the same error under an API's name for it."""
 
     def __init__(self, param: str, value: Any, want: str) -> None:
-        super().__init__(f"{param}={value!r} is invalid: {want}", param)
+        # reprlib keeps a hostile value (a 1000-digit integer, a list of a million ids) out of the message
+        super().__init__(f"{param}={reprlib.repr(value)} is invalid: {want}", param)
         self.value, self.want = value, want
 
     def named(self, alias: str) -> InvalidParam:
@@ -40,7 +53,7 @@ class SamplingParams:
     """How one request is sampled and when it stops. Defaults follow the OpenAI API (temperature 0 is greedy)."""
 
     max_tokens: int = _param(1024, "most tokens to generate (cut to what the context length leaves)")
-    temperature: float = _param(0.0, "softmax temperature; 0 is greedy")
+    temperature: float = _param(0.0, "softmax temperature; 0 (or anything below 1e-5) is greedy")
     top_k: int = _param(-1, "sample among the k most likely tokens; -1 or 0 turns it off")
     top_p: float = _param(1.0, "sample from the smallest set of tokens whose probability reaches p")
     min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one")
@@ -65,47 +78,59 @@ class SamplingParams:
         def bad(name: str, want: str) -> InvalidParam:
             return InvalidParam(name, getattr(self, name), want)
 
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+        def is_int(x: object, low: int, high: int = INT64_MAX) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "it must be an integer >= 1")
-        if not (self.temperature >= 0.0):
-            raise bad("temperature", "it must be >= 0 (0 means greedy)")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "it must be an integer >= 1, or -1 / 0 to turn it off")
-        if not (0.0 < self.top_p <= 1.0):
+        def is_finite(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.max_tokens, 1):
+            raise bad("max_tokens", "it must be an integer in [1, 2**63 - 1]")
+        if not (is_finite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", "it must be >= 0 and finite (0 means greedy)")
+        if not is_int(self.top_k, -1):
+            raise bad("top_k", "it must be an integer in [1, 2**63 - 1], or -1 / 0 to turn it off")
+        if not (is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise bad("top_p", "it must be in (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
+        if not (is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "it must be in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "it must be an integer or None")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
+        if self.seed is not None and not is_int(self.seed, *SEED_RANGE):
+            raise bad("seed", "it must be an integer in [-2**63, 2**64 - 1], or None")
+        if not (is_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):
             raise bad("presence_penalty", "it must be in [-2, 2]")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
+        if not (is_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
             raise bad("frequency_penalty", "it must be in [-2, 2]")
-        if not (self.repetition_penalty > 0.0):
-            raise bad("repetition_penalty", "it must be > 0 (1 turns it off)")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "each stop string must be a non-empty string")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "each stop token id must be a non-negative integer")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+        if not (is_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "it must be > 0 and finite (1 turns it off)")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN for s in self.stop
+        ):
+            raise bad(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, each of 1 to {MAX_STOP_LEN} characters"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+            not is_int(t, 0) for t in self.stop_token_ids
+        ):
+            raise bad(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, each an integer in [0, 2**63 - 1]",
+            )
+        if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalty(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def resolved_seed(self) -> int:
-        """The seed a request samples with: the user's, or a fresh random one.
+        """The seed a request samples with: the user's, or a fresh random one."""
+        return random.getrandbits(62) if self.seed is None else fold_seed(self.seed)
 
-        Any integer is a seed; the sampler hashes it as a signed 64-bit integer, so it is folded into that range.
-        """
-        if self.seed is None:
-            return random.getrandbits(62)
-        return (self.seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+def fold_seed(seed: int) -> int:
+    """Any integer as a seed: the sampler hashes it as a signed 64-bit integer, so it is folded into that range."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)

@@ -102,6 +102,20 @@ INVALID: list[tuple[str, Any]] = [
     ("repetition_penalty", 0.0),
     ("stop", [""]),
     ("stop_token_ids", [-1]),
+    # what no message between the server's processes can carry, and what the sampler cannot compute with
+    ("max_tokens", 2**63),
+    ("top_k", 2**100),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("stop_token_ids", [2**63]),
+    ("temperature", float("inf")),
+    ("top_p", float("nan")),
+    ("repetition_penalty", float("inf")),
+    ("presence_penalty", float("-inf")),
+    # what would make the one detokenizer slow for every request
+    ("stop", ["x"] * 33),
+    ("stop", ["x" * 257]),
+    ("stop_token_ids", list(range(1025))),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ from tiny import assert_nothing_held, hf_greedy, random_prompts
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import BatchSamplingArgs, PenaltyArgs, Sampler, apply_penalties
+from minisgl.engine.sample import BatchSamplingArgs, PenaltyArgs, Sampler, apply_penalties, sampling_probs
 from minisgl.llm import LLM
 
 PROMPTS = random_prompts(6, seed=2, min_len=3, max_len=30)
@@ -87,16 +88,24 @@ def test_the_same_seed_gives_the_same_tokens_in_a_new_engine(
     assert [o["token_ids"] for o in second.generate(PROMPTS, params)] == before
 
 
-def test_any_integer_is_a_seed(llama: str, make_llm: Callable[..., LLM]) -> None:
+def test_any_64_bit_integer_is_a_seed_and_a_wider_one_is_refused(
+    llama: str, make_llm: Callable[..., LLM]
+) -> None:
     llm = make_llm(llama, max_running_req=2, cache_type="naive")
     params = [
         SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
-        for s in (-5, 2**63 - 1, 2**64 + 7, -(2**70))
+        for s in (-5, -(2**63), 2**63 - 1, 2**63, 2**64 - 1)
     ]
     out = llm.generate([PROMPTS[0]] * len(params), params)
     assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == 6 for o in out)
     again = llm.generate([PROMPTS[0]] * len(params), params)
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in out]
+    # a seed folds into signed 64 bits: 2**64 - 1 is the seed -1
+    minus_one = SamplingParams(max_tokens=6, temperature=1.0, seed=-1, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], minus_one)[0]["token_ids"] == out[4]["token_ids"]
+    for wide in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, seed=wide))
     assert_nothing_held(llm)
 
 
@@ -318,3 +327,67 @@ def test_penalised_greedy_tokens_equal_transformers_beside_unpenalised_requests(
     # prompt tokens, so the prompts that end in the repeated token may keep their greedy run under them
     changed = [o != u for o, u in zip(out, hf_reference(llama, prompts, 16))]
     assert changed[:6] == [True] * 6 and changed[-2:] == [False, False]
+
+
+# ---- numerically hostile parameters ---------------------------------------------------------------------
+
+# values at and past the edges of what SamplingParams.validate accepts (every one of them is accepted)
+EXTREMES: dict[str, list[float]] = {
+    "temperature": [0.0, 1e-300, 1e-40, 9.9e-6, 1e-5, 0.7, 1.0, 50.0, 1e30, 1.7e308],
+    "top_k": [-1, 0, 1, 2, 7, 2**63 - 1],
+    "top_p": [1e-300, 1e-8, 0.5, 1.0],
+    "min_p": [0.0, 1e-300, 0.5, 1.0],
+    "presence_penalty": [-2.0, 0.0, 2.0],
+    "frequency_penalty": [-2.0, 0.0, 2.0],
+    "repetition_penalty": [1e-300, 1e-40, 1e-3, 0.5, 1.0, 1e3, 1.7e308],
+}
+
+
+def test_no_accepted_parameters_give_nan_probabilities_or_an_impossible_token() -> None:
+    gen = random.Random(0)
+    rows, vocab = 800, 64
+    params = [SamplingParams(**{k: gen.choice(v) for k, v in EXTREMES.items()}) for _ in range(rows)]
+    for p in params:
+        p.validate()
+    tokens = torch.randint(0, vocab, (rows, 8), generator=torch.Generator().manual_seed(1))
+    reqs = []
+    for i, p in enumerate(params):
+        req = Req(
+            input_ids=tokens[i].tolist(),
+            table_idx=i,
+            cached_len=0,
+            output_len=1,
+            uid=i,
+            sampling_params=p,
+            cache_handle=None,
+            seed=i,
+        )
+        req.prompt_len = 5  # the last 3 tokens are generated ones, for the presence and frequency penalties
+        reqs.append(req)
+    # logits as large as a model's get, some rows far larger
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 30
+    logits[::7] *= 1e3
+    sampler = Sampler(CPU, vocab)
+    args = sampler.prepare(Batch(reqs=reqs, phase="decode"), tokens.to(torch.int32))
+    assert args.penalty is not None and args.temperatures is not None
+
+    penalised = apply_penalties(logits, args.penalty)
+    assert torch.isfinite(penalised).all()
+    probs = sampling_probs(penalised, args)
+    assert torch.isfinite(probs).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(rows), atol=1e-4)
+    out = sampler.sample(logits.clone(), args).long()
+    sampled = args.temperatures[:, 0] > 0
+    assert (probs[sampled].gather(1, out[sampled, None]) > 0).all()
+    assert torch.equal(out[~sampled], penalised[~sampled].argmax(-1))
+    # the greedy rows are those below the temperature floor (or top_k=1), and they are not few
+    assert (~sampled).sum() > rows // 10
+    assert all(p.is_greedy == (not s) for p, s in zip(params, sampled.tolist()))
+
+
+def test_a_temperature_below_1e_5_is_greedy() -> None:
+    logits = torch.tensor([0.5, 0.1, 0.45, -2.0, 0.49])
+    for t in (1e-300, 1e-40, 9.9e-6):
+        assert SamplingParams(temperature=t).is_greedy
+        assert set(_sample_with([SamplingParams(temperature=t)] * 200, logits, seeds=list(range(200)))) == {0}
+    assert not SamplingParams(temperature=1e-5).is_greedy

@@ -18,6 +18,8 @@ from minisgl.utils.torch_utils import pin
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers, as signed int64
 _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+# the repetition penalty divides or multiplies logits: within these bounds they stay finite in float32
+REPETITION_PENALTY_CLAMP = (1e-3, 1e3)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -143,14 +145,11 @@ class Sampler:
             filters = (args.top_k, args.top_p, args.min_p)
             return sample(logits, args.temperatures, args.seeds, args.steps, *filters, filter_logits)
         greedy_tokens = torch.argmax(logits, dim=-1)
-        temps = args.temperatures
-        logits = logits / torch.where(temps > 0, temps, 1.0)
-        logits = filter_logits(logits, args.top_k, args.top_p, args.min_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = sampling_probs(logits, args)
         # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
         noise = -torch.log(hash_uniform(args.seeds, args.steps, logits.shape[-1]))
         sampled = torch.argmax(probs / noise, dim=-1)
-        return torch.where(temps[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
+        return torch.where(args.temperatures[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsOutput:
         """logits: [B, V] as the model produced them; tokens: [B] sampled -> their and the top-k log-probabilities."""
@@ -160,12 +159,25 @@ class Sampler:
         return LogprobsOutput(chosen, top.values, top.indices)
 
 
+def sampling_probs(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """The distribution each row draws from (after penalties): tempered, filtered, normalised.
+
+    Greedy rows (temperature 0) are left at temperature 1; the sampler takes their argmax instead.
+    """
+    assert args.temperatures is not None
+    temps = args.temperatures
+    logits = logits / torch.where(temps > 0, temps, 1.0)
+    logits = filter_logits(logits, args.top_k, args.top_p, args.min_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def apply_penalties(logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
     """OpenAI presence/frequency penalties over generated tokens; repetition penalty (HF style) over all."""
     counts = torch.zeros_like(logits).scatter_add_(1, pen.tokens, pen.is_output.to(logits.dtype))
     seen = torch.zeros_like(logits).scatter_add_(1, pen.tokens, pen.is_token.to(logits.dtype)) > 0
     logits = logits - pen.frequency * counts - pen.presence * (counts > 0).to(logits.dtype)
-    rep = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
+    repetition = pen.repetition.clamp(*REPETITION_PENALTY_CLAMP)
+    rep = torch.where(logits > 0, logits / repetition, logits * repetition)
     return torch.where(seen, rep, logits)
 
 

@@ -10,13 +10,17 @@ from minisgl.core import SamplingParams
 
 @dataclass
 class TokenizeMsg:
-    """One generation request; exactly one of `text`, `input_ids` and `messages` is the prompt."""
+    """One prompt and its choices: choice i is the request `uids[i]`, sampled with `sampling_params[i]`.
 
-    uid: int
-    sampling_params: SamplingParams
+    The prompt travels and is tokenized once however many choices it has. Exactly one of `text`,
+    `input_ids` and `messages` is the prompt.
+    """
+
+    sampling_params: list[SamplingParams]
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # a chat, rendered with the model's chat template
+    uids: list[int] = field(default_factory=list)  # assigned by EngineClient.submit
 
 
 @dataclass

@@ -28,19 +28,15 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
     input_len, max_seq_len = len(input_ids), limits.max_seq_len
     if input_len == 0:
         raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")
+    # the length first: it costs nothing, and a huge prompt is refused before it is read
+    if input_len >= max_seq_len:
+        raise prompt_too_long(input_len, limits)
     vocab = limits.vocab_size
-    if any(not (0 <= t < vocab) for t in input_ids):
+    if min(input_ids) < 0 or max(input_ids) >= vocab:
         raise RequestError(
             f"the prompt has token ids outside the vocabulary; each must be in [0, {vocab})",
             None,
             "invalid_token_ids",
-        )
-    if input_len >= max_seq_len:
-        raise RequestError(
-            f"the prompt has {input_len} tokens; this model takes at most {max_seq_len - 1} prompt tokens "
-            f"(context length {max_seq_len}, one token left to generate). Shorten the prompt.",
-            None,
-            "context_length_exceeded",
         )
     max_tokens = min(params.max_tokens, max_seq_len - input_len)
     pool = limits.num_pages * limits.page_size
@@ -55,3 +51,15 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
             "context_length_exceeded",
         )
     return max_tokens
+
+
+def prompt_too_long(input_len: int, limits: RequestLimits, at_least: bool = False) -> RequestError:
+    """The error of a prompt of `input_len` tokens (`at_least`: more than that) that the model cannot take."""
+    count = f"more than {input_len}" if at_least else f"{input_len}"
+    max_seq_len = limits.max_seq_len
+    return RequestError(
+        f"the prompt has {count} tokens; this model takes at most {max_seq_len - 1} prompt tokens "
+        f"(context length {max_seq_len}, one token left to generate). Shorten the prompt.",
+        None,
+        "context_length_exceeded",
+    )

@@ -7,6 +7,7 @@ from typing import Any
 from minisgl.message import BaseBackendMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
+from minisgl.utils.process import release_free_memory
 
 
 class ZmqSchedulerIO:
@@ -16,6 +17,9 @@ class ZmqSchedulerIO:
 
     def receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
         """What has arrived; with `blocking`, wait for at least one message first."""
+        if blocking:
+            # nothing to run: what the last burst of work freed goes back to the OS while the scheduler waits
+            release_free_memory()
         msgs = [self._requests.get()] if blocking else []
         return msgs + self._requests.drain()
 

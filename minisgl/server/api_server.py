@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import TokenizeMsg, TokenLogprob, UserReply
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
+from minisgl.server.guard import HttpLimits, RequestGuard
 from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -303,7 +304,10 @@ async def _close_on_disconnect(request: Request, group: RequestGroup) -> None:
 
 
 def create_app(
-    info: ServeInfo, make_client: Callable[[], EngineClient], on_start: Callable[[], None] | None = None
+    info: ServeInfo,
+    make_client: Callable[[], EngineClient],
+    http: HttpLimits,
+    on_start: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app; its EngineClient is made at start-up, inside the server's event loop, then `on_start` runs."""
 
@@ -318,6 +322,7 @@ def create_app(
         client.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
+    app.add_middleware(RequestGuard, limits=http)
 
     def client_of(request: Request) -> EngineClient:
         return request.app.state.client
@@ -355,7 +360,7 @@ def create_app(
         watcher = asyncio.create_task(_close_on_disconnect(request, group))
         streaming = False
         try:
-            choices = [Choice() for _ in msgs]
+            choices = [Choice() for _ in group.uids]
             first = await _first_replies(group, fmt)
             if stream:
                 streaming = True  # the stream owns the group and the watcher from here
@@ -409,7 +414,7 @@ def create_app(
         req = parse_body(ChatCompletionRequest, await request.body())
         model = model_of(req.model)
         messages, n = req.chat(), req.num_choices
-        msgs = [TokenizeMsg(0, p, messages=messages) for p in choice_params(req.sampling_params(), n)]
+        msgs = [TokenizeMsg(choice_params(req.sampling_params(), n), messages=messages)]
         return await serve(request, msgs, ChatFormat(model, n, req.include_usage), bool(req.stream))
 
     @app.post("/v1/completions")
@@ -426,7 +431,7 @@ def create_app(
         prompts, n = req.prompts(), req.num_choices
         msgs = _prompt_msgs(prompts, choice_params(req.to_sampling_params(), n))
         fmt = GenerateFormat(
-            info.model_name, n, len(msgs) > 1, "text" if req.text is not None else "input_ids"
+            info.model_name, n, len(prompts) * n > 1, "text" if req.text is not None else "input_ids"
         )
         return await serve(request, msgs, fmt, bool(req.stream))
 
@@ -434,15 +439,12 @@ def create_app(
 
 
 def _prompt_msgs(prompts: list[Prompt], params: list[SamplingParams]) -> list[TokenizeMsg]:
-    """Sub-requests in choice order: every choice of the first prompt, then of the next."""
-    msgs = []
-    for prompt in prompts:
-        for p in params:
-            if isinstance(prompt, str):
-                msgs.append(TokenizeMsg(0, p, text=prompt))
-            else:
-                msgs.append(TokenizeMsg(0, p, input_ids=list(prompt)))
-    return msgs
+    """One message a prompt, carrying its choices: the group's replies come every choice of the first
+    prompt, then of the next."""
+    return [
+        TokenizeMsg(params, text=p) if isinstance(p, str) else TokenizeMsg(params, input_ids=p)
+        for p in prompts
+    ]
 
 
 async def _first_replies(group: RequestGroup, fmt: _Format) -> list[tuple[int, UserReply]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,9 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of torch.distributed's rendezvous (node 0 listens)
     trace: str | None = None
+    # what the HTTP front end takes from a client (server/guard.py)
+    max_request_bytes: int = 4 << 20
+    read_timeout: float = 30.0
 
     @property
     def model_name(self) -> str:
@@ -95,6 +99,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 
@@ -196,6 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         metavar="PATH",
         help="write a timeline of the run (Perfetto JSON; docs/trace.md) (default: off)",
+    )
+    engine.add_argument("--attention-backend", help="attention backend name (default: auto)")
+    engine.add_argument("--cuda-graph-max-bs", type=_non_negative, help="largest CUDA-graph batch (0: none)")
+    engine.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (only 1 for now)")
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive,
+        default=ServerArgs.max_request_bytes,
+        help="largest request body; a larger one is refused with 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=_positive_seconds,
+        default=ServerArgs.read_timeout,
+        help="seconds a client has to send a request's headers, and again its body (default: %(default)s)",
     )
     return p
 

@@ -39,6 +39,8 @@ class ServeInfo:
         """Whether a request naming `name` as its model is for this server."""
         return name in self.served_names or name == self.model_path
 
+    stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
+
 
 class EngineUnavailable(RuntimeError):
     """The worker processes are gone (a crash or a shutdown): no request can be served."""
@@ -79,7 +81,12 @@ class EngineClient:
     """`log_requests`: an INFO line for every finished sub-request; `log_text`: with its prompt and output."""
 
     def __init__(
-        self, requests_addr: str, replies_addr: str, log_requests: bool = False, log_text: bool = False
+        self,
+        requests_addr: str,
+        replies_addr: str,
+        stats: SchedulerStats | None = None,
+        log_requests: bool = False,
+        log_text: bool = False,
     ) -> None:
         self.log_requests = log_requests
         self.log_text = log_requests and log_text
@@ -90,6 +97,8 @@ class EngineClient:
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
         self.metrics = Metrics()
+        if stats is not None:  # until the scheduler's first report arrives
+            self.metrics.scheduler = stats
 
     def start(self) -> None:
         """Start receiving replies; call from inside the running event loop."""
@@ -103,22 +112,25 @@ class EngineClient:
             self.fail_all(f"the server's reply receiver failed: {task.exception()}")
 
     def submit(self, msgs: list[TokenizeMsg], request_id: str | None = None) -> RequestGroup:
-        """Send the requests (their uids are assigned here) and return the group their replies go to.
+        """Send the prompts (their choices' uids are assigned here) and return the group their replies go to.
 
         `request_id` names the call in the log (None: each sub-request's uid)."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         for msg in msgs:
-            msg.uid, self._next_uid = self._next_uid, self._next_uid + 1
-        group = RequestGroup(self, [m.uid for m in msgs], request_id)
+            msg.uids = list(range(self._next_uid, self._next_uid + len(msg.sampling_params)))
+            self._next_uid += len(msg.uids)
+        # registered only once the worker has them: a message that cannot be sent leaves nothing behind
+        self._to_worker.put(msgs)
+        group = RequestGroup(self, [uid for msg in msgs for uid in msg.uids], request_id)
         if self.log_text:
             for msg in msgs:
-                group.prompts[msg.uid] = _prompt_text(msg)
+                for uid in msg.uids:
+                    group.prompts[uid] = _prompt_text(msg)
         for uid in group.uids:
             self._groups[uid] = group
-        self.metrics.in_flight += len(msgs)
+        self.metrics.in_flight += len(group.uids)
         TRACE.arrivals(group.uids)
-        self._to_worker.put(msgs)
         return group
 
     def abort(self, uids: list[int]) -> None:

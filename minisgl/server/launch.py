@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minisgl.message.frontend import SchedulerStats
 from minisgl.scheduler.check import RequestLimits
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp
@@ -48,6 +49,7 @@ class ModelInfo:
 
     model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
     limits: RequestLimits
+    stats: SchedulerStats  # the idle scheduler's load: /metrics shows it from the first scrape
 
 
 class StartupError(CommandError):
@@ -80,9 +82,7 @@ def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
         exit_now(1)
     except SystemExit:  # SIGTERM from the parent while the model loads
         exit_now(0)
-    # every reply carries the scheduler's load, which /metrics shows: this first one says it is idle
-    scheduler.send_result([])
-    info = ModelInfo(scheduler.engine.model_dir, scheduler.limits)
+    info = ModelInfo(scheduler.engine.model_dir, scheduler.limits, scheduler.stats())
     conn.send(("ready", info))
     try:
         scheduler.run_forever()
@@ -267,10 +267,15 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
     import uvicorn
 
     from minisgl.server.api_server import create_app
+    from minisgl.server.guard import HttpLimits, h11_protocol
 
     def make_client() -> EngineClient:
         return EngineClient(
-            procs.addrs.requests, procs.addrs.replies, log_requests=True, log_text=args.log_requests
+            procs.addrs.requests,
+            procs.addrs.replies,
+            info.stats,
+            log_requests=True,
+            log_text=args.log_requests,
         )
 
     host, port = sock.getsockname()[:2]
@@ -280,9 +285,17 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
         # said once the server handles its signals: Ctrl-C from here on is an orderly shutdown
         logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
 
-    app = create_app(info, make_client, on_start)
-    # a stream still open at shutdown gets a few seconds to finish, then is cut
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    http = HttpLimits(args.max_request_bytes, args.read_timeout)
+    app = create_app(info, make_client, http, on_start)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        http=h11_protocol(http.read_timeout_s),
+        timeout_keep_alive=http.keep_alive_s,
+        # a stream still open at shutdown gets a few seconds to finish, then is cut
+        timeout_graceful_shutdown=3,
+    )
+    server = uvicorn.Server(config)
     failed: list[str] = []
 
     def on_failure(reason: str) -> None:
@@ -318,7 +331,9 @@ def serve(args: ServerArgs) -> int:
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
         names = args.model_names
-        info = ServeInfo(names[0], args.model, model.limits.max_seq_len, names[1:])
+        info = ServeInfo(
+            names[0], args.model, model.limits.max_seq_len, other_names=names[1:], stats=model.stats
+        )
         if args.shell:
             from minisgl.server.shell import run_shell
 

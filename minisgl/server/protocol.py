@@ -11,9 +11,11 @@ from typing import Any, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from minisgl.core import InvalidParam, SamplingParams
+from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, SamplingParams, fold_seed
 
 MAX_N = 128  # choices per prompt
+# the roles of OpenAI's chat API; the role is written into the prompt as is, so no other is let through
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
@@ -79,6 +81,29 @@ def _wire_values(body: BaseModel, names: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def _num_choices(n: int | None, param: str) -> int:
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise APIError(f"{param}={_short(n)} is invalid: it must be in [1, {MAX_N}]", param, "invalid_value")
+    return n
+
+
+def _checked_prompts(prompts: list[Prompt], param: str) -> list[Prompt]:
+    """The prompts, refused when one is empty or has a token id wider than 64 bits, which no message
+    can carry (the vocabulary is checked with the rest of the request, by check_request)."""
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise APIError("the prompt is empty; send at least one token", param, "empty_prompt")
+    for p in prompts:
+        if not isinstance(p, str) and (min(p) < INT64_MIN or max(p) > INT64_MAX):
+            raise APIError(
+                f"'{param}' has a token id wider than 64 bits; token ids index the vocabulary",
+                param,
+                "invalid_token_ids",
+            )
+    return prompts
+
+
 class _OpenAIBase(_Strict):
     model: str | None = None
     n: int | None = None
@@ -88,22 +113,22 @@ class _OpenAIBase(_Strict):
 
     @property
     def num_choices(self) -> int:
-        n = 1 if self.n is None else self.n
-        if not 1 <= n <= MAX_N:
-            raise APIError(f"n={n} is invalid: it must be in [1, {MAX_N}]", "n", "invalid_value")
-        return n
+        return _num_choices(self.n, "n")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, names: dict[str, str] = _OPENAI_NAMES
+    ) -> SamplingParams:
+        """`names`: the fields' names in this body, where a bad value is reported."""
         values = _wire_values(self, _OPENAI_NAMES)
         # OpenAI's defaults: temperature 1; max_tokens left out means the engine's default
         if values["temperature"] is None:
             values["temperature"] = 1.0
         values.update(max_tokens=max_tokens, logprobs=logprobs)
-        return checked_params(values, _OPENAI_NAMES)
+        return checked_params(values, names)
 
 
 _OpenAIRequest = create_model("_OpenAIRequest", __base__=_OpenAIBase, **_sampling_fields(_OPENAI_NAMES))
@@ -135,6 +160,13 @@ class ChatCompletionRequest(_OpenAIRequest):
                 "response_format",
                 "unsupported_parameter",
             )
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise APIError(
+                    f"messages[{i}].role={_short(m.role)} is invalid: it must be one of {', '.join(CHAT_ROLES)}",
+                    f"messages[{i}].role",
+                    "invalid_value",
+                )
         return [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(self.messages)]
 
     def sampling_params(self) -> SamplingParams:
@@ -146,9 +178,15 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise APIError("top_logprobs needs logprobs: true", "logprobs", "invalid_value")
         if logprobs is not None and not 0 <= logprobs <= 20:
             raise APIError(
-                f"top_logprobs={logprobs} is invalid: it must be in [0, 20]", "top_logprobs", "invalid_value"
+                f"top_logprobs={_short(logprobs)} is invalid: it must be in [0, 20]",
+                "top_logprobs",
+                "invalid_value",
             )
-        return self._sampling_params(max_tokens, logprobs)
+        if self.max_completion_tokens is None:
+            return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(
+            max_tokens, logprobs, {**_OPENAI_NAMES, "max_tokens": "max_completion_tokens"}
+        )
 
 
 def _text_content(message: ChatMessage, i: int) -> str:
@@ -188,14 +226,14 @@ class CompletionRequest(_OpenAIRequest):
             raise APIError("best_of is not supported; leave it out", "best_of", "unsupported_parameter")
         p = self.prompt
         prompts: list[Prompt] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[list-item]
-        if not prompts or any(len(x) == 0 for x in prompts):
-            raise APIError("the prompt is empty; send at least one token", "prompt", "empty_prompt")
-        return prompts
+        return _checked_prompts(prompts, "prompt")
 
     def sampling_params(self) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(
-                f"logprobs={self.logprobs} is invalid: it must be in [0, 20]", "logprobs", "invalid_value"
+                f"logprobs={_short(self.logprobs)} is invalid: it must be in [0, 20]",
+                "logprobs",
+                "invalid_value",
             )
         return self._sampling_params(self.max_tokens, self.logprobs)
 
@@ -222,19 +260,11 @@ class GenerateRequest(_Strict):
         else:
             ids = self.input_ids or []
             prompts = [ids] if not ids or isinstance(ids[0], int) else list(ids)  # type: ignore[list-item]
-        if not prompts or any(len(x) == 0 for x in prompts):
-            param = "text" if self.text is not None else "input_ids"
-            raise APIError("the prompt is empty; send at least one token", param, "empty_prompt")
-        return prompts
+        return _checked_prompts(prompts, "text" if self.text is not None else "input_ids")
 
     @property
     def num_choices(self) -> int:
-        n = (self.sampling_params.n if self.sampling_params else None) or 1
-        if not 1 <= n <= MAX_N:
-            raise APIError(
-                f"n={n} is invalid: it must be in [1, {MAX_N}]", "sampling_params.n", "invalid_value"
-            )
-        return n
+        return _num_choices(self.sampling_params.n if self.sampling_params else None, "sampling_params.n")
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
@@ -252,8 +282,11 @@ class GenerateRequest(_Strict):
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly."""
-    return [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly
+    (folded into 64 bits as the sampler folds every seed, so the last seeds wrap instead of overflowing)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed if i == 0 else fold_seed(params.seed + i)) for i in range(n)]
 
 
 T = TypeVar("T", bound=BaseModel)

@@ -64,7 +64,7 @@ class ChatShell:
 
     async def _turn(self, line: str) -> None:
         self.history.append({"role": "user", "content": line})
-        msg = TokenizeMsg(0, self.params, messages=list(self.history))
+        msg = TokenizeMsg([self.params], messages=list(self.history))
         group = self.client.submit([msg])
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, group.close)  # Ctrl-C aborts this reply only

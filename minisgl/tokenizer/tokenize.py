@@ -1,4 +1,9 @@
-"""Prompts to token ids: plain text, token ids as given, or a chat rendered with the model's template."""
+"""Prompts to token ids: plain text, token ids as given, or a chat rendered with the model's chat template.
+
+One tokenizer process serves every client, so no prompt may hold it for long: a text far longer than
+the context is refused from the tokens of a prefix of it, before the whole is read (a body of
+megabytes costs milliseconds, not seconds, and the requests behind it do not wait).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,27 @@ from typing import Any
 
 from minisgl.core import RequestError
 from minisgl.message.frontend import TokenizeMsg
-from minisgl.utils.hf import chat_template_ids
+from minisgl.scheduler.check import RequestLimits, prompt_too_long
+from minisgl.utils.hf import chat_pieces_ids, render_chat
+
+# a text is tokenized whole up to this many characters per token of context (real text has 3 to 5)
+_CHARS_PER_TOKEN = 8
+# tokens a cut through the middle of a word may add to a prefix's count, with room to spare
+_CUT_SLACK = 16
 
 
 class TokenizeManager:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
-        """The prompt's token ids (checked by check_request afterwards); a chat the template refuses raises RequestError."""
+        """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
+        prompt certainly over the context length, raises RequestError."""
         if msg.messages is not None:
             return self.apply_chat_template(msg.messages)
         if msg.text is not None:
+            self._refuse_if_far_too_long(msg.text)
             return list(self.tokenizer.encode(msg.text))
         return list(msg.input_ids or [])
 
@@ -28,9 +42,28 @@ class TokenizeManager:
                 None,
                 "no_chat_template",
             )
+        if len(messages) >= self.limits.max_seq_len:
+            # every message the template writes is at least one token
+            raise prompt_too_long(len(messages) - 1, self.limits, at_least=True)
         try:
-            return chat_template_ids(self.tokenizer, messages)
+            pieces = render_chat(self.tokenizer, messages)
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
                 f"the chat template refused these messages: {e}", None, "invalid_messages"
             ) from e
+        self._refuse_if_far_too_long("".join(p for p, _ in pieces))
+        return chat_pieces_ids(self.tokenizer, pieces)
+
+    def _refuse_if_far_too_long(self, text: str) -> None:
+        """Raise the context-length error if a prefix of `text` alone has more tokens than the model takes.
+
+        The prefix grows fourfold until it proves the text too long or reaches the end of it, so the work
+        is bounded by what the proof needs. A text that fits is then tokenized whole, by the caller.
+        """
+        limit = self.limits.max_seq_len - 1
+        size = _CHARS_PER_TOKEN * self.limits.max_seq_len
+        while size < len(text):
+            count = len(self.tokenizer.encode(text[:size], add_special_tokens=False))
+            if count - _CUT_SLACK > limit:
+                raise prompt_too_long(count - _CUT_SLACK, self.limits, at_least=True)
+            size *= 4

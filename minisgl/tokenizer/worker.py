@@ -4,10 +4,17 @@ scheduler's tokens come back to the API server as text.
 One process does both directions, polling two sockets: requests (TokenizeMsg, AbortMsg) from the
 API server and DetokenizeMsg batches from the scheduler. Each scheduler step becomes one message
 to the API server, so a busy step costs one hop, not one per request.
+
+No call may hold up the others: prompts wait in one queue per API call and are tokenized in turns,
+one prompt of each call at a time, in slices of a few milliseconds between polls of the sockets. A
+call of a thousand prompts and a call of one are then served side by side, and streams keep flowing
+meanwhile. An abort of a prompt still waiting drops it unread.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +31,8 @@ from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.trace import TRACE
 
 logger = init_logger(__name__)
+
+_SLICE_S = 0.02  # tokenizing runs this long at most (plus one prompt) before the sockets are polled again
 
 
 @dataclass
@@ -48,10 +57,13 @@ class TokenizerWorker:
     limits: RequestLimits
     addrs: WorkerAddrs
     requests: dict[int, _Request] = field(default_factory=dict)
+    # prompts not tokenized yet: a queue per API call, and the waiting message of each uid
+    pending: deque[deque[TokenizeMsg]] = field(default_factory=deque)
+    _pending_uids: dict[int, TokenizeMsg] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.tokenize_manager = TokenizeManager(self.tokenizer)
+        self.tokenize_manager = TokenizeManager(self.tokenizer, self.limits)
         self._from_api = ZmqPullQueue(self.addrs.requests)
         self._from_scheduler = ZmqPullQueue(self.addrs.detokenize)
         self._to_api = ZmqPushQueue(self.addrs.replies)
@@ -63,13 +75,15 @@ class TokenizerWorker:
         poller.register(self._from_api.socket, zmq.POLLIN)
         poller.register(self._from_scheduler.socket, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(0 if self.pending else POLL_MS))
             if self._from_api.socket in ready:
                 with TRACE.slice("tokenize"):
                     self._handle_api(self._from_api.drain())
             if self._from_scheduler.socket in ready:
                 with TRACE.slice("detokenize"):
                     self._handle_scheduler(self._from_scheduler.drain())
+            if self.pending:
+                self._tokenize_pending()
 
     def close(self) -> None:
         for queue in (self._from_api, self._from_scheduler, self._to_api, self._to_scheduler):
@@ -80,33 +94,72 @@ class TokenizerWorker:
     def _handle_api(self, batches: list[list[Any]]) -> None:
         to_scheduler: list[BaseBackendMsg] = []
         replies: list[UserReply] = []
-        for msg in (m for batch in batches for m in batch):
-            if isinstance(msg, TokenizeMsg):
-                try:
-                    ids = self.tokenize_manager.tokenize(msg)
-                    # checked here too, so a bad request is answered before anything is queued
-                    check_request(ids, msg.sampling_params, self.limits)
-                except RequestError as e:
-                    replies.append(UserReply(msg.uid, "", True, "error", str(e), e.code))
-                    continue
-                except Exception as e:  # a request the tokenizer chokes on must not take the worker down
-                    logger.exception(f"request {msg.uid}: tokenizing failed")
-                    replies.append(
-                        UserReply(msg.uid, "", True, "error", f"the prompt could not be tokenized: {e}")
-                    )
-                    continue
-                detokenizer = IncrementalDetokenizer(self.tokenizer, msg.sampling_params.stop)
-                self.requests[msg.uid] = _Request(detokenizer, len(ids))
-                to_scheduler.append(UserMsg(msg.uid, ids, msg.sampling_params))
-                TRACE.point(msg.uid, "tokenize")
-            elif isinstance(msg, AbortMsg):
-                to_scheduler.append(AbortBackendMsg(msg.uid))
-            else:
-                logger.warning(f"tokenizer worker: unexpected message {type(msg).__name__} ignored")
+        for batch in batches:  # one API call's messages
+            call: deque[TokenizeMsg] = deque()
+            for msg in batch:
+                if isinstance(msg, TokenizeMsg):
+                    call.append(msg)
+                    self._pending_uids.update(dict.fromkeys(msg.uids, msg))
+                elif isinstance(msg, AbortMsg):
+                    waiting = self._pending_uids.pop(msg.uid, None)
+                    if waiting is None:
+                        to_scheduler.append(AbortBackendMsg(msg.uid))
+                        continue
+                    i = waiting.uids.index(msg.uid)
+                    del waiting.uids[i], waiting.sampling_params[i]
+                    replies.append(UserReply(msg.uid, "", True, "abort"))
+                else:
+                    logger.warning(f"tokenizer worker: unexpected message {type(msg).__name__} ignored")
+            if call:
+                self.pending.append(call)
+        self._send(to_scheduler, replies)
+
+    def _tokenize_pending(self) -> None:
+        """Tokenize waiting prompts for one slice of time, one prompt of each call in turn."""
+        to_scheduler: list[BaseBackendMsg] = []
+        replies: list[UserReply] = []
+        end = time.monotonic() + _SLICE_S
+        while self.pending and time.monotonic() < end:
+            call = self.pending.popleft()
+            msg = call.popleft()
+            if call:
+                self.pending.append(call)
+            for uid in msg.uids:
+                del self._pending_uids[uid]
+            if msg.uids:
+                to_scheduler += self._requests_of(msg, replies)
+        self._send(to_scheduler, replies)
+
+    def _send(self, to_scheduler: list[BaseBackendMsg], replies: list[UserReply]) -> None:
         if to_scheduler:
             self._to_scheduler.put(BatchBackendMsg(to_scheduler))
         if replies:
             self._to_api.put(replies)
+
+    def _requests_of(self, msg: TokenizeMsg, replies: list[UserReply]) -> list[BaseBackendMsg]:
+        """The scheduler's requests for a prompt's choices; the prompt is tokenized once for all of them."""
+        try:
+            ids = self.tokenize_manager.tokenize(msg)
+        except RequestError as e:
+            replies += [UserReply(uid, "", True, "error", str(e), e.code) for uid in msg.uids]
+            return []
+        except Exception as e:  # a request the tokenizer chokes on must not take the worker down
+            logger.exception(f"requests {msg.uids}: tokenizing failed")
+            error = f"the prompt could not be tokenized: {e}"
+            replies += [UserReply(uid, "", True, "error", error) for uid in msg.uids]
+            return []
+        out: list[BaseBackendMsg] = []
+        for uid, params in zip(msg.uids, msg.sampling_params):
+            try:
+                # checked here too, so a bad request is answered before anything is queued
+                check_request(ids, params, self.limits)
+            except RequestError as e:
+                replies.append(UserReply(uid, "", True, "error", str(e), e.code))
+                continue
+            self.requests[uid] = _Request(IncrementalDetokenizer(self.tokenizer, params.stop), len(ids))
+            out.append(UserMsg(uid, ids, params))
+            TRACE.point(uid, "tokenize")
+        return out
 
     # ---- scheduler -> API server -------------------------------------------------------------
     def _handle_scheduler(self, batches: list[list[Any]]) -> None:

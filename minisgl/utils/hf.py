@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import uuid
 from typing import Any
 
 from minisgl.utils.logger import init_logger
@@ -84,8 +86,57 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
 
 
 def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ending with the assistant's turn."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    """Token ids of a conversation in the model's chat template, ending with the assistant's turn.
+
+    Text a user writes never becomes a control token: see render_chat and chat_pieces_ids.
+    """
+    return chat_pieces_ids(tokenizer, render_chat(tokenizer, messages))
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The conversation in the chat template as pieces of text, each marked whether it is a message's content.
+
+    The template is rendered with a placeholder for each content, and the contents are put back in
+    the pieces it leaves: so the template's own text and the users' text are told apart however the
+    template is written. (A template that edits a content, trimming it say, sees the placeholder: the
+    content reaches the model as it was sent.)
+    """
+    nonce = uuid.uuid4().hex
+    marked = [
+        {**m, "content": f"<{nonce}:{i}>"} if isinstance(m.get("content"), str) else m
+        for i, m in enumerate(messages)
+    ]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    # re.split with one group alternates template text and the index of the message whose content goes there
+    parts = re.split(f"<{nonce}:(\\d+)>", text)
+    return [(messages[int(p)]["content"], True) if k % 2 else (p, False) for k, p in enumerate(parts)]
+
+
+def chat_pieces_ids(tokenizer: Any, pieces: list[tuple[str, bool]]) -> list[int]:
+    """Token ids of render_chat's pieces, where only the template's text may hold control tokens.
+
+    The whole text is tokenized once, which gives exactly the ids of the template applied as usual
+    (`apply_chat_template(tokenize=True)`). Only when a control token there comes from a content
+    (a user wrote "<|im_end|>" into a message) are the pieces tokenized one by one instead: the
+    template's with special tokens parsed, the contents with `split_special_tokens`, as plain text.
+    """
+    text = "".join(p for p, _ in pieces)
+    if getattr(tokenizer, "is_fast", False):
+        control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        spans, start = [], 0
+        for p, is_content in pieces:
+            if is_content and p:
+                spans.append((start, start + len(p)))
+            start += len(p)
+        if not any(
+            t in control and any(s < end and e > begin for begin, end in spans)
+            for t, (s, e) in zip(ids, offsets)
+        ):
+            return [int(t) for t in ids]
+    out: list[int] = []
+    for p, is_content in pieces:
+        if p:
+            out += tokenizer.encode(p, add_special_tokens=False, split_special_tokens=is_content)
+    return [int(t) for t in out]

@@ -1,0 +1,172 @@
+"""What the HTTP front end enforces before a route sees a request, so that no client can hold the
+server's memory, sockets or event loop:
+
+- a body over `max_request_bytes` is refused with 413, from its Content-Length before it is read, or
+  as soon as the bytes received pass the limit;
+- a request's headers must arrive within `read_timeout_s` of the connection opening (or of the first
+  byte of the next request on a kept-alive connection), else the connection is closed; its body must
+  arrive within `read_timeout_s` of its headers, else the answer is 408;
+- a kept-alive connection idle for `keep_alive_s` is closed (uvicorn's own timer);
+- an unexpected exception is logged with its traceback and answered with a JSON 500 that says nothing
+  of the server's internals.
+
+Every refusal is an OpenAI-style error body. uvicorn has no timer for slow headers, so its h11
+protocol is extended with one (`h11_protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from minisgl.server.protocol import APIError
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_request_bytes: int
+    read_timeout_s: float
+    keep_alive_s: int = 5  # uvicorn's default, stated here so the limits are read in one place
+
+
+class RequestGuard:
+    """ASGI middleware: reads the body whole (within the size and time limits) before the app runs,
+    and turns an exception that escapes the app into a JSON 500."""
+
+    def __init__(self, app: Any, limits: HttpLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return  # refused, or the client went away
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # from here on only http.disconnect can come
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception:
+            logger.exception(f"{scope['method']} {scope['path']} failed")
+            if not started:
+                error = APIError(
+                    "the server failed to handle this request", None, "internal_error", 500, "server_error"
+                )
+                await _answer(send, error)
+
+    async def _read_body(self, scope: Scope, receive: Any, send: Any) -> bytes | None:
+        limit = self.limits.max_request_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _answer(send, _too_large(int(declared), limit))
+            return None
+        deadline = time.monotonic() + self.limits.read_timeout_s
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                error = APIError(
+                    f"the request body did not arrive within {self.limits.read_timeout_s:g} s",
+                    None,
+                    "request_timeout",
+                    408,
+                )
+                await _answer(send, error)
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _answer(send, _too_large(size, limit, at_least=True))
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+    more = "more than " if at_least else ""
+    return APIError(
+        f"the request body has {more}{size} bytes; this server takes at most {limit} (--max-request-bytes)",
+        None,
+        "request_too_large",
+        413,
+    )
+
+
+async def _answer(send: Any, error: APIError) -> None:
+    """Send `error` as the whole response and close the connection (the rest of the body is not read)."""
+    body = json.dumps(error.body()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def h11_protocol(read_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for a request's headers."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                self._arm()  # part of a request's head: its deadline runs from its first byte
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(read_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
