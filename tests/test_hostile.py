@@ -377,7 +377,7 @@ class _FailingClient:
     def close(self) -> None:
         pass
 
-    def submit(self, msgs: list[TokenizeMsg]) -> Any:
+    def submit(self, msgs: list[TokenizeMsg], request_id: str | None = None) -> Any:
         raise RuntimeError("secret internals at 0xdeadbeef")
 
 

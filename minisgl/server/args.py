@@ -208,9 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write a timeline of the run (Perfetto JSON; docs/trace.md) (default: off)",
     )
-    engine.add_argument("--attention-backend", help="attention backend name (default: auto)")
-    engine.add_argument("--cuda-graph-max-bs", type=_non_negative, help="largest CUDA-graph batch (0: none)")
-    engine.add_argument("--tp-size", type=_positive, default=1, help="tensor parallel size (only 1 for now)")
     p.add_argument(
         "--max-request-bytes",
         type=_positive,

@@ -30,6 +30,7 @@ class ServeInfo:
     model_path: str | None  # as given on the command line; clients may name the model by it too
     max_seq_len: int
     other_names: list[str] = field(default_factory=list)  # --served-model-name's names after the first
+    stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
 
     @property
     def served_names(self) -> list[str]:
@@ -38,8 +39,6 @@ class ServeInfo:
     def accepts(self, name: str) -> bool:
         """Whether a request naming `name` as its model is for this server."""
         return name in self.served_names or name == self.model_path
-
-    stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
 
 
 class EngineUnavailable(RuntimeError):
