@@ -119,6 +119,8 @@ class EngineClient:
         for msg in msgs:
             msg.uids = list(range(self._next_uid, self._next_uid + len(msg.sampling_params)))
             self._next_uid += len(msg.uids)
+        # the arrival comes first in the trace: the worker may tokenize before this call returns
+        TRACE.arrivals([uid for msg in msgs for uid in msg.uids])
         # registered only once the worker has them: a message that cannot be sent leaves nothing behind
         self._to_worker.put(msgs)
         group = RequestGroup(self, [uid for msg in msgs for uid in msg.uids], request_id)
@@ -129,7 +131,6 @@ class EngineClient:
         for uid in group.uids:
             self._groups[uid] = group
         self.metrics.in_flight += len(group.uids)
-        TRACE.arrivals(group.uids)
         return group
 
     def abort(self, uids: list[int]) -> None:
