@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.constrained.grammar import apply_token_mask
 from minisgl.core import Batch
 from minisgl.kernel import use_triton
 from minisgl.utils.torch_utils import pin
@@ -46,6 +47,7 @@ class BatchSamplingArgs:
     steps: torch.Tensor | None = None  # [B] int64
     penalty: PenaltyArgs | None = None
     top_logprobs: int | None = None  # the most top log-probabilities a request asks for; None: none asks
+    token_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 bits of allowed tokens; None: no grammar
 
 
 @dataclass
@@ -132,6 +134,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """logits: [B, V] float32 -> next token ids [B] int32."""
+        if args.token_mask is not None:
+            logits = apply_token_mask(logits, args.token_mask)
         if args.greedy:
             return torch.argmax(logits, dim=-1).to(torch.int32)
         if args.penalty is not None:
