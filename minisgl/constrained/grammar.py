@@ -12,6 +12,7 @@ whitespace can loop on newlines until max_tokens and never close the object.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import lru_cache
 from typing import Any
@@ -39,19 +40,49 @@ def _message(e: Exception) -> str:
     return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(e).strip())
 
 
+def _schema(text: str) -> str:
+    """The JSON schema as xgrammar should get it.
+
+    xgrammar (0.2.9) turns a string with minLength / maxLength into characters that exclude only
+    the quote, the backslash and line breaks: other control characters get through raw and the JSON
+    does not parse. Such a string becomes the same length range of characters that need no escape.
+    """
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # xgrammar's own error says what is wrong
+
+    def fix(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                fix(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                fix(x)
+            lengths = ("minLength" in node, "maxLength" in node)
+            plain = not any(k in node for k in ("pattern", "format", "enum", "const"))
+            if node.get("type") == "string" and any(lengths) and plain:
+                low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+                node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+
+    fix(schema)
+    return json.dumps(schema)
+
+
 @lru_cache(maxsize=256)
 def _parse(kind: str, text: str) -> None:
     xgr = _xgrammar()
     if kind == "json_schema":
-        xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        xgr.Grammar.from_json_schema(_schema(text), any_whitespace=False)
     elif kind == "regex":
         xgr.Grammar.from_regex(text)
     else:
         xgr.Grammar.from_ebnf(text)
 
 
-def check_grammar(params: SamplingParams) -> None:
-    """Raise RequestError naming the field when the request's grammar does not compile (no tokenizer needed)."""
+def check_grammar(params: SamplingParams, names: dict[str, str] | None = None) -> None:
+    """Raise RequestError naming the field when the request's grammar does not compile (no tokenizer needed);
+    `names` gives the name a request body used for a field, for the message."""
     grammar = params.grammar
     if grammar is None:
         return
@@ -61,7 +92,8 @@ def check_grammar(params: SamplingParams) -> None:
     except RequestError:
         raise
     except Exception as e:
-        raise RequestError(f"{kind} does not compile: {_message(e)}", kind, "invalid_value") from e
+        name = (names or {}).get(kind, kind)
+        raise RequestError(f"{name} does not compile: {_message(e)}", kind, "invalid_value") from e
 
 
 def escape_regex(text: str) -> str:
@@ -103,7 +135,7 @@ class GrammarManager:
             self._batch = xgr.BatchGrammarMatcher()
         try:
             if kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+                compiled = self._compiler.compile_json_schema(_schema(text), any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(text)
             else:

@@ -1,0 +1,193 @@
+"""Structured output: json_schema, regex, ebnf and choice constrain what a request generates, offline and
+through the server (OpenAI response_format, SGLang's fields, vLLM's guided_* and structured_outputs).
+
+Outputs are checked the way a user would: json.loads and a schema check written here, re.fullmatch.
+A random tiny model may not close a JSON object within max_tokens: then the text must still be a prefix
+the grammar accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisgl.constrained.grammar import choice_regex
+from minisgl.core import RequestError, SamplingParams
+from minisgl.llm import LLM
+
+xgr = pytest.importorskip("xgrammar")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "member"],
+    "additionalProperties": False,
+}
+
+
+def conforms(value: Any, schema: dict[str, Any]) -> bool:
+    """The schemas these tests build: objects of string / integer / boolean / enum properties."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema.get("type")
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "integer":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return ok and schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "object":
+        props = schema.get("properties", {})
+        return (
+            isinstance(value, dict)
+            and all(k in value for k in schema.get("required", []))
+            and all(k in props and conforms(v, props[k]) for k, v in value.items())
+        )
+    raise AssertionError(f"no check for {schema}")
+
+
+def is_prefix(text: str, schema: dict[str, Any], tokenizer: Any) -> bool:
+    """`text` can still be completed into JSON that the schema accepts."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    return xgr.GrammarMatcher(compiled).accept_string(text)
+
+
+def check_json(out: dict[str, Any], schema: dict[str, Any], tokenizer: Any) -> None:
+    if out["finish_reason"] == "stop":
+        assert conforms(json.loads(out["text"]), schema), out["text"]
+    else:
+        assert out["finish_reason"] == "length" and is_prefix(out["text"], schema, tokenizer), out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model: Callable[[str], str]) -> Iterator[LLM]:
+    llm = LLM(tiny_model("llama"), dtype=torch.float32, max_running_req=16)
+    yield llm
+    llm.shutdown()
+
+
+PROMPTS = ["The capital of France is", "1 + 1 = 2, 2 + 2 =", "Once upon a time"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_parses_and_conforms_on_a_tiny_model(tiny_llm: LLM, temperature: float) -> None:
+    sp = SamplingParams(max_tokens=120, temperature=temperature, seed=1, json_schema=json.dumps(PERSON))
+    outs = tiny_llm.generate(PROMPTS, sp)
+    for out in outs:
+        check_json(out, PERSON, tiny_llm.tokenizer)
+    assert any(o["finish_reason"] == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_ebnf_outputs_match(tiny_llm: LLM, temperature: float) -> None:
+    regex = r"[0-9]{3}-[0-9]{4}"
+    choices = ["Paris", "New York (US)", "a.b*c"]
+    ebnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    kw: dict[str, Any] = dict(max_tokens=30, temperature=temperature, seed=3)
+    outs = tiny_llm.generate(
+        PROMPTS * 3,
+        [SamplingParams(regex=regex, **kw)] * 3
+        + [SamplingParams(regex=choice_regex(choices), **kw)] * 3
+        + [SamplingParams(ebnf=ebnf, **kw)] * 3,
+    )
+    for out in outs:
+        assert out["finish_reason"] == "stop", out
+    assert all(re.fullmatch(regex, o["text"]) for o in outs[:3]), outs[:3]
+    assert all(o["text"] in choices for o in outs[3:6]), outs[3:6]
+    assert all(re.fullmatch(r"yes|no|maybe [0-9]", o["text"]) for o in outs[6:]), outs[6:]
+
+
+def test_unconstrained_requests_beside_constrained_ones_get_their_own_tokens(tiny_llm: LLM) -> None:
+    free = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = tiny_llm.generate(PROMPTS, free)
+    mixed = tiny_llm.generate(
+        PROMPTS + PROMPTS, [free] * 3 + [SamplingParams(max_tokens=24, json_schema=json.dumps(PERSON))] * 3
+    )
+    assert [o["token_ids"] for o in mixed[:3]] == [o["token_ids"] for o in alone]
+
+
+def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_the_field(
+    tiny_llm: LLM,
+) -> None:
+    with pytest.raises(RequestError) as e:
+        tiny_llm.generate("x", SamplingParams(json_schema="{}", regex="a"))
+    assert e.value.param == "regex" and "only one of" in str(e.value)
+    for field, bad in [
+        ("json_schema", '{"type": 5}'),
+        ("json_schema", "{not json"),
+        ("regex", "a(b"),
+        ("ebnf", "x"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            tiny_llm.generate("x", SamplingParams(**{field: bad}))
+        assert e.value.param == field and str(e.value).startswith(f"{field} does not compile"), str(e.value)
+
+
+_PROPERTY = st.one_of(
+    st.just({"type": "string", "maxLength": 6}),
+    st.just({"type": "integer", "minimum": -50, "maximum": 999}),
+    st.just({"type": "boolean"}),
+    st.lists(st.text("abcxyz ", min_size=1, max_size=5), min_size=1, max_size=3, unique=True).map(
+        lambda xs: {"type": "string", "enum": xs}
+    ),
+)
+
+
+@st.composite
+def schemas(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.lists(st.text("abcdefgh_", min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
+    props = {n: draw(_PROPERTY) for n in names}
+    required = draw(st.lists(st.sampled_from(names), unique=True))
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas(), temperature=st.sampled_from([0.0, 1.0]))
+def test_generated_schemas_give_conforming_json_or_a_valid_prefix(
+    tiny_llm: LLM, schema: dict[str, Any], temperature: float
+) -> None:
+    sp = SamplingParams(max_tokens=40, temperature=temperature, seed=0, json_schema=json.dumps(schema))
+    (out,) = tiny_llm.generate(["Once upon a time"], sp)
+    check_json(out, schema, tiny_llm.tokenizer)
+
+
+@pytest.mark.slow
+def test_default_model_output_parses_against_generated_schemas() -> None:
+    llm = LLM(max_running_req=16)
+    try:
+        chat = [{"role": "user", "content": "Describe a person as a JSON object."}]
+        prompt = llm.apply_chat_template(chat)
+        fixed = [
+            PERSON,
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                "required": ["ok"],
+            },
+            {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]},
+        ]
+        params = [
+            SamplingParams(max_tokens=200, temperature=t, seed=i, json_schema=json.dumps(s))
+            for i, s in enumerate(fixed)
+            for t in (0.0, 0.8)
+        ]
+        outs = llm.generate([prompt] * len(params), params)
+        for out, sp in zip(outs, params):
+            assert out["finish_reason"] == "stop", out
+            assert conforms(json.loads(out["text"]), json.loads(sp.json_schema or "")), out["text"]
+    finally:
+        llm.shutdown()
