@@ -191,3 +191,99 @@ def test_default_model_output_parses_against_generated_schemas() -> None:
             assert conforms(json.loads(out["text"]), json.loads(sp.json_schema or "")), out["text"]
     finally:
         llm.shutdown()
+
+
+# ---- the server ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model: Callable[[str], str]) -> Iterator[Any]:
+    from test_server import SERVER_ARGS, Server
+
+    s = Server(["--model", tiny_model("llama"), *SERVER_ARGS])
+    s.model = s.client().models.list().data[0].id
+    yield s
+    s.stop()
+
+
+def _chat(server: Any, **kwargs: Any) -> Any:
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    return server.client().chat.completions.create(
+        model=server.model, messages=messages, max_tokens=120, temperature=0, **kwargs
+    )
+
+
+def test_server_response_format_json_schema_and_json_object(server: Any, tiny_llm: LLM) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    choice = _chat(server, response_format=fmt).choices[0]
+    check_json(
+        {"text": choice.message.content, "finish_reason": choice.finish_reason}, PERSON, tiny_llm.tokenizer
+    )
+    choice = _chat(server, response_format={"type": "json_object"}).choices[0]
+    text = choice.message.content or ""
+    assert text.startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_server_sglang_and_vllm_fields_constrain_the_output(server: Any) -> None:
+    regex = r"[0-9]{3}-[0-9]{4}"
+    assert re.fullmatch(regex, _chat(server, extra_body={"regex": regex}).choices[0].message.content or "")
+    assert re.fullmatch(
+        regex, _chat(server, extra_body={"guided_regex": regex}).choices[0].message.content or ""
+    )
+    choices = ["yes", "no", "it depends"]
+    for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        assert _chat(server, extra_body=body).choices[0].message.content in choices
+    completion = server.client().completions.create(
+        model=server.model,
+        prompt="Once upon a time",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ebnf": 'root ::= "a" | "b"'},
+    )
+    assert completion.choices[0].text in ("a", "b")
+    status, body = server.request(
+        "POST",
+        "/generate",
+        json.dumps(
+            {"text": "Once", "sampling_params": {"json_schema": json.dumps(PERSON), "max_new_tokens": 120}}
+        ).encode(),
+    )
+    assert status == 200
+    assert (
+        conforms(json.loads(body["text"]), PERSON) or body["meta_info"]["finish_reason"]["type"] == "length"
+    )
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"regex": "a", "guided_choice": ["x"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json"),
+        ({"json_schema": "{}", "ebnf": 'root ::= "a"'}, "ebnf"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"regex": "a(b"}, "regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+        ({"stream": True, "guided_json": '{"type": "nope"}'}, "guided_json"),
+    ],
+)
+def test_server_refuses_two_constraints_or_a_bad_grammar_with_a_400_naming_the_field(
+    server: Any, body: dict[str, Any], param: str
+) -> None:
+    request = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        **body,
+    }
+    status, answer = server.request("POST", "/v1/chat/completions", json.dumps(request).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
