@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.constrained.grammar import choice_regex
+from minisgl.constrained.grammar import apply_token_mask, choice_regex
 from minisgl.core import RequestError, SamplingParams
 from minisgl.llm import LLM
 
@@ -71,6 +71,33 @@ def check_json(out: dict[str, Any], schema: dict[str, Any], tokenizer: Any) -> N
         assert conforms(json.loads(out["text"]), schema), out["text"]
     else:
         assert out["finish_reason"] == "length" and is_prefix(out["text"], schema, tokenizer), out
+
+
+def test_token_mask_keeps_exactly_the_tokens_whose_bit_is_set() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    mask = torch.randint(-(2**31), 2**31, (5, 4), dtype=torch.int64, generator=gen).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    out = apply_token_mask(logits, mask)
+    for i in range(5):
+        for t in range(vocab):
+            allowed = (int(mask[i, t // 32]) >> (t % 32)) & 1
+            assert out[i, t] == (logits[i, t] if allowed else float("-inf"))
+
+
+def test_sampling_never_draws_a_masked_token_even_where_its_noise_is_zero() -> None:
+    from minisgl.engine.sample import BatchSamplingArgs, Sampler, hash_uniform
+
+    # seed 14702, step 0: token 3300's uniform rounds to 1, so its exponential noise is 0
+    seeds, steps = torch.tensor([14702]), torch.tensor([0])
+    assert hash_uniform(seeds, steps, 4096)[0, 3300] == 1.0
+    mask = torch.zeros(1, 4096 // 32, dtype=torch.int32)
+    mask[0, 0] = 0b1111  # tokens 0-3 only
+    args = BatchSamplingArgs(
+        greedy=False, temperatures=torch.ones(1, 1), seeds=seeds, steps=steps, token_mask=mask
+    )
+    token = Sampler(torch.device("cpu"), 4096).sample(torch.randn(1, 4096), args)
+    assert int(token[0]) in range(4)
 
 
 @pytest.fixture(scope="module")

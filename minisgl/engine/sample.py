@@ -153,7 +153,8 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
         noise = -torch.log(hash_uniform(args.seeds, args.steps, logits.shape[-1]))
-        sampled = torch.argmax(probs / noise, dim=-1)
+        # a token of probability 0 is never drawn: its noise can be 0 (U rounds to 1), and 0 / 0 would win
+        sampled = torch.argmax(torch.where(probs > 0, probs / noise, 0.0), dim=-1)
         return torch.where(temps[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsOutput:
