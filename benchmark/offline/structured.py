@@ -54,7 +54,9 @@ def main() -> None:
     llm = LLM(device=args.device, max_running_req=args.num_requests)
     n, half = args.num_requests, args.num_requests // 2
     prompts = [
-        llm.apply_chat_template([{"role": "user", "content": f"List {50 + i} people as JSON, with their age."}])
+        llm.apply_chat_template(
+            [{"role": "user", "content": f"List {50 + i} people as JSON, with their age."}]
+        )
         for i in range(n)
     ]
     free = [
