@@ -147,6 +147,36 @@ def test_unconstrained_requests_beside_constrained_ones_get_their_own_tokens(tin
     assert [o["token_ids"] for o in mixed[:3]] == [o["token_ids"] for o in alone]
 
 
+class _OverlapLLM(LLM):
+    """The overlap loop, which runs on CUDA, driven on the CPU."""
+
+    def run_forever(self) -> None:
+        last = None
+        while True:
+            last = self.overlap_loop(last)
+
+
+def test_overlap_loop_gives_the_tokens_of_the_plain_loop_with_constrained_requests(
+    tiny_llm: LLM, tiny_model: Callable[[str], str]
+) -> None:
+    params = [
+        SamplingParams(max_tokens=40, json_schema=json.dumps(PERSON)),
+        SamplingParams(max_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=30, regex=r"[0-9]{3}-[0-9]{4}", temperature=1.0, seed=5),
+    ]
+    plain = tiny_llm.generate(PROMPTS, params)
+    llm = _OverlapLLM(tiny_model("llama"), dtype=torch.float32, max_running_req=16)
+    try:
+        overlapped = llm.generate(PROMPTS, params)
+        # a second round: constrained requests have finished, the loop overlaps again
+        free = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [o["token_ids"] for o in overlapped] == [o["token_ids"] for o in plain]
+    assert [o["finish_reason"] for o in overlapped] == [o["finish_reason"] for o in plain]
+    assert all(len(o["token_ids"]) == 8 for o in free)
+
+
 def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_the_field(
     tiny_llm: LLM,
 ) -> None:
