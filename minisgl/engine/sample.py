@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.constrained.grammar import apply_token_mask
 from minisgl.core import Batch
 from minisgl.kernel import use_triton
 from minisgl.utils.torch_utils import pin
@@ -48,6 +49,7 @@ class BatchSamplingArgs:
     steps: torch.Tensor | None = None  # [B] int64
     penalty: PenaltyArgs | None = None
     top_logprobs: int | None = None  # the most top log-probabilities a request asks for; None: none asks
+    token_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 bits of allowed tokens; None: no grammar
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """logits: [B, V] float32 -> next token ids [B] int32."""
+        if args.token_mask is not None:
+            logits = apply_token_mask(logits, args.token_mask)
         if args.greedy:
             return torch.argmax(logits, dim=-1).to(torch.int32)
         if args.penalty is not None:
@@ -148,7 +152,8 @@ class Sampler:
         probs = sampling_probs(logits, args)
         # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i
         noise = -torch.log(hash_uniform(args.seeds, args.steps, logits.shape[-1]))
-        sampled = torch.argmax(probs / noise, dim=-1)
+        # a token of probability 0 is never drawn: its noise can be 0 (U rounds to 1), and 0 / 0 would win
+        sampled = torch.argmax(torch.where(probs > 0, probs / noise, 0.0), dim=-1)
         return torch.where(args.temperatures[:, 0] > 0, sampled, greedy_tokens).to(torch.int32)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsOutput:

@@ -44,7 +44,7 @@ def _add_sampling_options(group: Any) -> None:
                 flag, action="append", type=item, default=[], help=f"{text}; repeatable (default: none)"
             )
         else:
-            scalar = next(t for t in (int, float) if t is kind or t in get_args(kind))
+            scalar = next(t for t in (int, float, str) if t is kind or t in get_args(kind))
             default = _DEFAULTS.get(f.name, f.default)
             group.add_argument(flag, type=scalar, default=default, help=f"{text} (default: %(default)s)")
 

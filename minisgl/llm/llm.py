@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from minisgl.constrained.grammar import check_grammar
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
@@ -163,6 +164,7 @@ class LLM(Scheduler):
             )
         for sp in sampling_params:
             sp.validate()
+            check_grammar(sp)
         if self._ranks is not None and not self._ranks.alive():
             raise RuntimeError(
                 "a tensor-parallel rank has stopped (after an error or an interrupt); build a new LLM"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minisgl.constrained.grammar import check_grammar
 from minisgl.core import RequestError, SamplingParams
 from minisgl.utils.misc import div_ceil
 
@@ -25,6 +26,7 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
     number on its request, so `params` stays as the user sent it.
     """
     params.validate()
+    check_grammar(params)
     input_len, max_seq_len = len(input_ids), limits.max_seq_len
     if input_len == 0:
         raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from minisgl.constrained.grammar import GrammarManager
 from minisgl.core import Batch, ChunkedReq, Req, RequestError
 from minisgl.engine.engine import ForwardOutput
 from minisgl.engine.prepare import ForwardInput
@@ -67,6 +68,9 @@ class Scheduler(SchedulerIOMixin):
         )
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
+        self.grammars = GrammarManager(
+            self.tokenizer, self.engine.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
         self.prefill_budget = config.max_extend_tokens
         self.cache_stats = CacheStats()
         # called once per loop iteration with the prepared batch about to run (None when nothing runs):
@@ -93,8 +97,14 @@ class Scheduler(SchedulerIOMixin):
         Batch k+1 is built before step k's tokens are known, so it may hold a request that step k
         finished (an EOS): that result is dropped through finished_reqs. A row freed while a batch
         in flight may still write it is handed out again only after that batch is done.
+
+        While a constrained request runs there is no overlap: its next mask needs this step's token,
+        so step k's results are handled before step k+1 is prepared.
         """
         self._defer_slot_free = True
+        if last_data is not None and self.grammars.active:
+            self._process_last_data(last_data)
+            last_data = None
         busy = self.prefill_manager.runnable or self.decode_manager.runnable
         blocking = last_data is None and not busy
         for msg in self.receive_all(blocking):
@@ -134,7 +144,7 @@ class Scheduler(SchedulerIOMixin):
         forward_input = None
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
-            forward_input = self.engine.prepare_batch(batch)
+            forward_input = self.engine.prepare_batch(batch, self.grammars.fill_masks(batch.reqs))
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
@@ -174,6 +184,7 @@ class Scheduler(SchedulerIOMixin):
                     continue
                 token = tokens[i]
                 req.append_host(token)
+                self.grammars.accept(req.uid, token)
                 msg = DetokenizeMsg(uid=req.uid, next_token=token, finished=False)
                 k = req.sampling_params.logprobs
                 if logprobs is not None and k is not None:
@@ -214,6 +225,9 @@ class Scheduler(SchedulerIOMixin):
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
+        if self.grammars.is_done(req.uid):
+            # the grammar accepted its stop token (an EOS): the output is complete
+            return "stop"
         if len(req.input_ids) >= req.max_device_len:
             return "length"
         return None
@@ -228,6 +242,7 @@ class Scheduler(SchedulerIOMixin):
         elif isinstance(msg, UserMsg):
             try:
                 max_tokens = check_request(msg.input_ids, msg.sampling_params, self.limits)
+                self.grammars.add(msg.uid, msg.sampling_params)
             except RequestError as e:
                 logger.warning_rank0(f"request {msg.uid} refused: {e}")
                 TRACE.point(msg.uid, "refused", e.code)
@@ -256,10 +271,12 @@ class Scheduler(SchedulerIOMixin):
             self.cache_manager.free_req(req)
             # under overlap it may still be in an in-flight batch: its result there is dropped
             self.finished_reqs.add(req)
+        self.grammars.remove(uid)
         TRACE.point(uid, "abort")
         self.reply([DetokenizeMsg(uid, -1, True, "abort")])
 
     def _free_req_resources(self, req: Req) -> None:
+        self.grammars.remove(req.uid)
         self._free_table_slot(req.table_idx)
         self.cache_manager.cache_req(req, finished=True)
 

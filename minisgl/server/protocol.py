@@ -6,12 +6,14 @@ SamplingParams.validate's, so the server and the offline LLM refuse the same thi
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields, replace
 from typing import Any, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, SamplingParams, fold_seed
+from minisgl.constrained.grammar import check_grammar, choice_regex
+from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, RequestError, SamplingParams, fold_seed
 
 MAX_N = 128  # choices per prompt
 # the roles of OpenAI's chat API; the role is written into the prompt as is, so no other is let through
@@ -70,6 +72,12 @@ def checked_params(values: dict[str, Any], names: dict[str, str], prefix: str = 
     except InvalidParam as e:
         alias = names.get(e.param or "", e.param or "")
         raise APIError(str(e.named(alias)), prefix + alias, e.code) from e
+    try:
+        # a grammar that does not compile is a 400 now, before any stream starts
+        check_grammar(params, names)
+    except RequestError as e:
+        param = names.get(e.param or "", e.param or "") if e.param else None
+        raise APIError(str(e), prefix + param if param else None, e.code) from e
     return params
 
 
@@ -110,6 +118,13 @@ class _OpenAIBase(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -128,7 +143,76 @@ class _OpenAIBase(_Strict):
         if values["temperature"] is None:
             values["temperature"] = 1.0
         values.update(max_tokens=max_tokens, logprobs=logprobs)
+        names = dict(_OPENAI_NAMES)
+        grammar = _grammar(self, values)
+        if grammar is not None:
+            wire, name, text = grammar
+            values[name], names[name] = text, wire
         return checked_params(values, names)
+
+
+def _grammar(body: _OpenAIBase, values: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The one output constraint of an OpenAI body: (the name the body used, the SamplingParams field,
+    its text). response_format and vLLM's guided_* / structured_outputs map to json_schema, regex or
+    ebnf; two constraints at once are an APIError naming the second."""
+    found = [
+        (name, name, values[name]) for name in ("json_schema", "regex", "ebnf") if values[name] is not None
+    ]
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", '{"type": "object"}'))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(
+                    "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                    "response_format.json_schema.schema",
+                    "invalid_value",
+                )
+            found.append(("response_format.json_schema.schema", "json_schema", json.dumps(schema)))
+        elif kind != "text":
+            raise APIError(
+                f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                "response_format.type",
+                "unsupported_parameter",
+            )
+    vllm = [
+        ("guided_json", body.guided_json),
+        ("guided_regex", body.guided_regex),
+        ("guided_choice", body.guided_choice),
+        ("guided_grammar", body.guided_grammar),
+    ]
+    vllm += [(f"structured_outputs.{k}", v) for k, v in (body.structured_outputs or {}).items()]
+    for wire, value in vllm:
+        if value is not None:
+            found.append(_vllm_grammar(wire, value))
+    if len(found) > 1:
+        raise APIError(
+            f"{found[1][0]} and {found[0][0]} both constrain the output; send only one",
+            found[1][0],
+            "invalid_value",
+        )
+    return found[0] if found else None
+
+
+def _vllm_grammar(wire: str, value: Any) -> tuple[str, str, str]:
+    key = wire.rsplit(".", 1)[-1].removeprefix("guided_")
+    if key == "json" and isinstance(value, (dict, str)):
+        return wire, "json_schema", value if isinstance(value, str) else json.dumps(value)
+    if key in ("regex", "grammar") and isinstance(value, str):
+        return wire, "regex" if key == "regex" else "ebnf", value
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(f"{wire} must be a non-empty list of non-empty strings", wire, "invalid_value")
+        return wire, "regex", choice_regex(value)
+    if key not in ("json", "regex", "grammar"):
+        raise APIError(
+            f"{wire} is not supported; use json, regex, choice or grammar", wire, "unsupported_parameter"
+        )
+    raise APIError(f"{wire} has the wrong type: got {_short(value)}", wire, "invalid_type")
 
 
 _OpenAIRequest = create_model("_OpenAIRequest", __base__=_OpenAIBase, **_sampling_fields(_OPENAI_NAMES))
@@ -145,7 +229,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def chat(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -153,12 +236,6 @@ class ChatCompletionRequest(_OpenAIRequest):
         if self.tools:
             raise APIError(
                 "tools are not supported by this server; leave out 'tools'", "tools", "unsupported_parameter"
-            )
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                "only response_format {'type': 'text'} is supported",
-                "response_format",
-                "unsupported_parameter",
             )
         for i, m in enumerate(self.messages):
             if m.role not in CHAT_ROLES:

@@ -1,0 +1,1 @@
+"""Structured output: grammars that constrain what a request may generate."""

@@ -1,0 +1,182 @@
+"""Structured output: a grammar matcher per constrained request and the next-token masks of a batch.
+
+xgrammar compiles a request's JSON schema, regex or EBNF grammar against the tokenizer (compiled
+grammars are cached, so a schema shared by many requests compiles once) and keeps one matcher per
+request. Each step, after the scheduler has the sampled tokens, every matcher advances by its
+request's token; before the next step, one call fills the bitmask of allowed tokens for every
+constrained row, and the sampler applies it on the device (`apply_token_mask`).
+
+JSON is generated without free whitespace (one space after ':' and ','): a model that may emit any
+whitespace can loop on newlines until max_tokens and never close the object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from minisgl.params import RequestError, SamplingParams
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+_INSTALL = "structured output needs xgrammar: pip install 'minisgl[grammar]'"
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise RequestError(f"{_INSTALL} ({e})", None, "unsupported_parameter") from e
+    return xgrammar
+
+
+def _message(e: Exception) -> str:
+    # xgrammar prefixes its messages with a time and a source location: the user needs neither
+    return re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(e).strip())
+
+
+def _schema(text: str) -> str:
+    """The JSON schema as xgrammar should get it.
+
+    xgrammar (0.2.9) turns a string with minLength / maxLength into characters that exclude only
+    the quote, the backslash and line breaks: other control characters get through raw and the JSON
+    does not parse. Such a string becomes the same length range of characters that need no escape.
+    """
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # xgrammar's own error says what is wrong
+
+    def fix(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                fix(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                fix(x)
+            lengths = ("minLength" in node, "maxLength" in node)
+            plain = not any(k in node for k in ("pattern", "format", "enum", "const"))
+            if node.get("type") == "string" and any(lengths) and plain:
+                low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+                node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+
+    fix(schema)
+    return json.dumps(schema)
+
+
+@lru_cache(maxsize=256)
+def _parse(kind: str, text: str) -> None:
+    xgr = _xgrammar()
+    if kind == "json_schema":
+        xgr.Grammar.from_json_schema(_schema(text), any_whitespace=False)
+    elif kind == "regex":
+        xgr.Grammar.from_regex(text)
+    else:
+        xgr.Grammar.from_ebnf(text)
+
+
+def check_grammar(params: SamplingParams, names: dict[str, str] | None = None) -> None:
+    """Raise RequestError naming the field when the request's grammar does not compile (no tokenizer needed);
+    `names` gives the name a request body used for a field, for the message."""
+    grammar = params.grammar
+    if grammar is None:
+        return
+    kind, text = grammar
+    try:
+        _parse(kind, text)
+    except RequestError:
+        raise
+    except Exception as e:
+        name = (names or {}).get(kind, kind)
+        raise RequestError(f"{name} does not compile: {_message(e)}", kind, "invalid_value") from e
+
+
+def escape_regex(text: str) -> str:
+    """`text` as a regex that matches exactly it (xgrammar's syntax: no escapes for plain characters)."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}/])", r"\\\1", text)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex accepting exactly one of `choices` (vLLM's guided_choice)."""
+    return "(" + "|".join(escape_regex(c) for c in choices) + ")"
+
+
+class GrammarManager:
+    """The matchers of the scheduler's constrained requests, by uid; built on the first constrained request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.matchers: dict[int, Any] = {}
+        self._compiler: Any = None
+        self._batch: Any = None
+
+    @property
+    def active(self) -> bool:
+        """Some request is constrained: the next step's masks need this step's tokens."""
+        return bool(self.matchers)
+
+    def add(self, uid: int, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached) and start its matcher; RequestError if it does not compile."""
+        grammar = params.grammar
+        if grammar is None:
+            return
+        kind, text = grammar
+        xgr = _xgrammar()
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+            self._batch = xgr.BatchGrammarMatcher()
+        try:
+            if kind == "json_schema":
+                compiled = self._compiler.compile_json_schema(_schema(text), any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(text)
+            else:
+                compiled = self._compiler.compile_grammar(text)
+        except Exception as e:
+            raise RequestError(f"{kind} does not compile: {_message(e)}", kind, "invalid_value") from e
+        self.matchers[uid] = xgr.GrammarMatcher(compiled)
+
+    def remove(self, uid: int) -> None:
+        self.matchers.pop(uid, None)
+
+    def accept(self, uid: int, token: int) -> None:
+        """Advance the request's matcher by its sampled token."""
+        matcher = self.matchers.get(uid)
+        if matcher is not None and not matcher.accept_token(token):
+            # the mask allowed only tokens the matcher accepts, so this is a bug: end the request cleanly
+            logger.warning(f"request {uid}: the grammar refused token {token}; the output ends here")
+            self.matchers[uid] = None
+
+    def is_done(self, uid: int) -> bool:
+        """The request's grammar has ended (its stop token accepted), or refused a token."""
+        if uid not in self.matchers:
+            return False
+        matcher = self.matchers[uid]
+        return matcher is None or matcher.is_terminated()
+
+    def fill_masks(self, reqs: list[Any]) -> torch.Tensor | None:
+        """The [B, ceil(V/32)] int32 bitmask (on the CPU) of the tokens each row may sample next, filled by one
+        call for every constrained row; other rows allow everything. None when no row is constrained."""
+        rows = [
+            (i, m) for i, r in enumerate(reqs) if (m := self.matchers.get(r.uid)) is not None and r.can_decode
+        ]
+        if not rows:
+            return None
+        mask = torch.full((len(reqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, indices=[i for i, _ in rows])
+        return mask
+
+
+def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token whose bit is 0 in `mask` [B, ceil(V/32)] set to -inf."""
+    bits = torch.arange(32, device=mask.device, dtype=torch.int32)
+    allowed = ((mask[:, :, None] >> bits) & 1).view(mask.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
