@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisgl.constrained.grammar import apply_token_mask, choice_regex
-from minisgl.core import RequestError, SamplingParams
+from minisgl.core import RequestError, SamplingParams, set_global_ctx
 from minisgl.llm import LLM
 
 xgr = pytest.importorskip("xgrammar")
@@ -172,6 +172,8 @@ def test_overlap_loop_gives_the_tokens_of_the_plain_loop_with_constrained_reques
         free = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     finally:
         llm.shutdown()
+        # a process runs one engine at a time: the module's engine takes its context back
+        set_global_ctx(tiny_llm.engine.ctx)
     assert [o["token_ids"] for o in overlapped] == [o["token_ids"] for o in plain]
     assert [o["finish_reason"] for o in overlapped] == [o["finish_reason"] for o in plain]
     assert all(len(o["token_ids"]) == 8 for o in free)
@@ -192,6 +194,19 @@ def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_t
         with pytest.raises(RequestError) as e:
             tiny_llm.generate("x", SamplingParams(**{field: bad}))
         assert e.value.param == field and str(e.value).startswith(f"{field} does not compile"), str(e.value)
+
+
+def test_without_xgrammar_a_constrained_request_is_refused_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from minisgl.constrained.grammar import check_grammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(RequestError, match=r"pip install 'minisgl\[grammar\]'"):
+        check_grammar(SamplingParams(regex="[a-z]+ without xgrammar"))
+    check_grammar(SamplingParams())  # free text needs nothing
 
 
 _PROPERTY = st.one_of(
