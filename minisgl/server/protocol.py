@@ -143,7 +143,7 @@ class _OpenAIBase(_Strict):
         if values["temperature"] is None:
             values["temperature"] = 1.0
         values.update(max_tokens=max_tokens, logprobs=logprobs)
-        names = dict(_OPENAI_NAMES)
+        names = dict(names)
         grammar = _grammar(self, values)
         if grammar is not None:
             wire, name, text = grammar
