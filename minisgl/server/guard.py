@@ -82,9 +82,11 @@ class RequestGuard:
 
     async def _read_body(self, scope: Scope, receive: Any, send: Any) -> bytes | None:
         limit = self.limits.max_request_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _answer(send, _too_large(int(declared), limit))
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        # a length of more digits than any limit is refused without reading it as a number
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            size = int(declared) if len(declared) <= 18 else limit
+            await _answer(send, _too_large(size, limit, at_least=len(declared) > 18))
             return None
         deadline = time.monotonic() + self.limits.read_timeout_s
         chunks, size = [], 0
