@@ -22,6 +22,7 @@ import pytest
 import torch
 from procs import _descendants, _wait_gone
 
+import minisgl
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
@@ -151,6 +152,11 @@ def test_health_and_models_describe_the_served_model(server: Server, model_dir: 
     models = server.client().models.list().data
     assert [m.id for m in models] == [os.path.basename(model_dir)]  # the folder's name
     assert models[0].model_extra["max_model_len"] == 512
+    # one model by its id, as the openai client retrieves it; an unknown id is a 404 in OpenAI's shape
+    assert server.client().models.retrieve(models[0].id).id == models[0].id
+    status, body = server.request("GET", "/v1/models/no-such-model")
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert server.request("GET", "/version") == (200, {"version": minisgl.__version__})
 
 
 def test_chat_completion_equals_offline_greedy_text(server: Server, offline: LLM, model_name: str) -> None:

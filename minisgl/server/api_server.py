@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import minisgl
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import TokenizeMsg, TokenLogprob, UserReply
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
@@ -395,19 +396,26 @@ def create_app(
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(client_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_entry(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "minisgl",
+            "max_model_len": info.max_seq_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entries = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "minisgl",
-                "max_model_len": info.max_seq_len,
-            }
-            for name in info.served_names
-        ]
-        return {"object": "list", "data": entries}
+        return {"object": "list", "data": [model_entry(name) for name in info.served_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return model_entry(model_of(model_id))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": minisgl.__version__}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
