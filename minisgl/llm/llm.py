@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from minisgl.constrained.grammar import check_grammar
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.scheduler.check import check_params
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
@@ -163,8 +163,7 @@ class LLM(Scheduler):
                 f"{len(prompts)} prompts but {len(sampling_params)} sampling_params; pass one or one each"
             )
         for sp in sampling_params:
-            sp.validate()
-            check_grammar(sp)
+            check_params(sp)
         if self._ranks is not None and not self._ranks.alive():
             raise RuntimeError(
                 "a tensor-parallel rank has stopped (after an error or an interrupt); build a new LLM"

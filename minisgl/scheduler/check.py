@@ -19,14 +19,19 @@ class RequestLimits:
     page_size: int
 
 
+def check_params(params: SamplingParams) -> None:
+    """The parameters alone: their ranges, and that a grammar compiles; raises RequestError."""
+    params.validate()
+    check_grammar(params)
+
+
 def check_request(input_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
     """Raise RequestError saying what to change; return the max_tokens the request runs with.
 
     max_tokens is cut to what the context length leaves after the prompt; the caller keeps that
     number on its request, so `params` stays as the user sent it.
     """
-    params.validate()
-    check_grammar(params)
+    check_params(params)
     input_len, max_seq_len = len(input_ids), limits.max_seq_len
     if input_len == 0:
         raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")
