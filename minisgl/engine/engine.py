@@ -256,16 +256,41 @@ class Engine:
 
     def shutdown(self) -> None:
         set_global_ctx(None)
-        if self.tp_info.size > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # the CUDA graphs go first: graphs that captured NCCL kernels keep the communicator busy, and
+        # destroying the process group under them never returns
         if hasattr(self, "graph_runner"):
             self.graph_runner.destroy()
+            gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.tp_info.size > 1:
+            _destroy_process_group()
         for name in ("model", "kv_cache", "page_table", "token_pool", "attn_backend", "ctx", "graph_runner"):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _destroy_process_group(timeout_s: float = 30.0) -> None:
+    """destroy_process_group, given up on after `timeout_s`: with a peer rank already gone, NCCL's
+    finalisation can wait forever, and a shutdown must end."""
+    import threading
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a broken group is being left anyway
+            logger.warning("destroying the process group failed: %s", e)
+        done.set()
+
+    threading.Thread(target=destroy, name="destroy-process-group", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("the process group did not shut down within %.0f s; leaving it", timeout_s)
