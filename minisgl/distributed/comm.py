@@ -20,6 +20,11 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     size = get_tp_info().size
     if size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+    x = x.contiguous()
+    dim = dim % x.dim()
+    # one collective into one buffer [size, *x.shape], then one copy that puts each rank's shard in place
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return out.view(size, *x.shape).movedim(0, dim).reshape(shape)
