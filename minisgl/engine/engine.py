@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -209,11 +210,17 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
-    def prepare_batch(self, batch: Batch, token_mask: torch.Tensor | None = None) -> ForwardInput:
+    def prepare_batch(
+        self,
+        batch: Batch,
+        token_mask: torch.Tensor | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
         The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
-        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py).
+        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py);
+        `eos_token_ids` are the tokens a request below its min_tokens may not sample.
         """
         self.graph_runner.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
@@ -223,7 +230,7 @@ class Engine:
         if batch.is_prefill:
             batch.last_indices = make_last_indices(batch, self.device)
         self.attn_backend.prepare_metadata(batch)
-        sample_args = self.sampler.prepare(batch, self.token_pool)
+        sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids)
         if token_mask is not None:
             sample_args.token_mask = token_mask.to(self.device, non_blocking=self.device.type == "cuda")
         return ForwardInput(batch, sample_args, input_mapping, write_mapping)

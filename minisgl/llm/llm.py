@@ -173,7 +173,9 @@ class LLM(Scheduler):
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             input_ids = self._tokenize_one(prompt)
             self.pending_requests.append(_Pending(uid, input_ids, sp))
-            detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, streaming=False)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, sp.stop, streaming=False, min_tokens=sp.min_tokens
+            )
             self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
         self._progress = GenerateProgress(len(prompts), use_tqdm)
         TRACE.arrivals(list(self.status_map))

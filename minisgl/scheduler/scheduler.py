@@ -68,6 +68,7 @@ class Scheduler(SchedulerIOMixin):
         )
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
+        self._eos_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarManager(
             self.tokenizer, self.engine.model_config.vocab_size, sorted(self.eos_token_ids)
         )
@@ -144,7 +145,8 @@ class Scheduler(SchedulerIOMixin):
         forward_input = None
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
-            forward_input = self.engine.prepare_batch(batch, self.grammars.fill_masks(batch.reqs))
+            masks = self.grammars.fill_masks(batch.reqs)
+            forward_input = self.engine.prepare_batch(batch, masks, self._eos_ids)
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)

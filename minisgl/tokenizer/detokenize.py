@@ -5,7 +5,9 @@ character (it decodes to U+FFFD until the next token completes it), and some tok
 or add a leading space depending on what comes before. So each step decodes a short window
 that starts one token back (the `prefix_offset`/`read_offset` pair, as in vLLM and TGI) and
 keeps the new text back while it ends in U+FFFD. Stop strings are cut out of the text, as
-OpenAI does; text that might be the start of one is held until it is known either way.
+OpenAI does; text that might be the start of one is held until it is known either way. Before
+`min_tokens` tokens, stop strings are not looked for (vLLM's rule) and the text goes out at once: it is
+never searched, so a stop string counts only when it starts after it.
 `finish()` returns whatever is still held, so no text is lost at the end.
 
 `step()` is the one place that turns the scheduler's token messages into a request's text and
@@ -33,9 +35,12 @@ class DetokenizeStep:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
+        self.min_tokens = min_tokens
         self.lazy = not streaming and not self.stop
         self.ids: list[int] = []
         self.prefix_offset = 0  # the window decoded each step starts here ...
@@ -93,16 +98,18 @@ class IncrementalDetokenizer:
             end = cut
         else:
             self.searched = len(self.text)
-            end = len(self.text) if final else len(self.text) - self._partial_stop_len()
+            held = 0 if final or len(self.ids) < self.min_tokens else self._partial_stop_len()
+            end = len(self.text) - held
         out = self.text[self.sent : max(end, self.sent)]
         self.sent += len(out)
         return out
 
     def _find_stop(self) -> int | None:
-        if not self.stop:
+        if not self.stop or len(self.ids) < self.min_tokens:
             return None
         # a stop string that starts before `searched` would have been found already, unless it ends after it
-        start = max(0, self.searched - max(len(s) for s in self.stop) + 1)
+        # text already sent cannot be cut back (before min_tokens it is sent unsearched)
+        start = max(self.sent, self.searched - max(len(s) for s in self.stop) + 1)
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 

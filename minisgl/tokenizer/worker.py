@@ -156,7 +156,8 @@ class TokenizerWorker:
             except RequestError as e:
                 replies.append(UserReply(uid, "", True, "error", str(e), e.code))
                 continue
-            self.requests[uid] = _Request(IncrementalDetokenizer(self.tokenizer, params.stop), len(ids))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+            self.requests[uid] = _Request(detokenizer, len(ids))
             out.append(UserMsg(uid, ids, params))
             TRACE.point(uid, "tokenize")
         return out
