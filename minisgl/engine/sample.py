@@ -53,6 +53,16 @@ class BatchSamplingArgs:
     top_logprobs: int | None = None  # the most top log-probabilities a request asks for; None: none asks
     token_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 bits of allowed tokens; None: no grammar
     bias: LogitBias | None = None  # logit_bias, and the stop ids min_tokens holds back; None: none
+    prompt: PromptLogprobArgs | None = None  # a prefill's prompt logprobs; None: no request asks
+
+
+@dataclass
+class PromptLogprobArgs:
+    """Which prompt positions of a prefill get log-probabilities: those whose next token is a prompt token."""
+
+    targets: torch.Tensor  # [P] the prompt token at each such position + 1, on the device
+    counts: list[int]  # positions per request of the batch, in order (0: it does not ask)
+    top: int  # the most top log-probabilities a request of the batch asks for
 
 
 @dataclass
@@ -79,6 +89,21 @@ class LogprobsOutput:
     def to(self, device: str, non_blocking: bool) -> LogprobsOutput:
         tensors = (self.token_logprobs, self.top_logprobs, self.top_ids)
         return LogprobsOutput(*(t.to(device, non_blocking=non_blocking) for t in tensors))
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """Log-probabilities of prompt tokens from the logits of the positions before them."""
+
+    token_logprobs: torch.Tensor  # [P]
+    ranks: torch.Tensor  # [P] 1 + the tokens more likely than the prompt's
+    top_logprobs: torch.Tensor  # [P, k]
+    top_ids: torch.Tensor  # [P, k]
+    counts: list[int]  # PromptLogprobArgs.counts
+
+    def to(self, device: str, non_blocking: bool) -> PromptLogprobsOutput:
+        tensors = (self.token_logprobs, self.ranks, self.top_logprobs, self.top_ids)
+        return PromptLogprobsOutput(*(t.to(device, non_blocking=non_blocking) for t in tensors), self.counts)
 
 
 @dataclass
@@ -212,6 +237,15 @@ class Sampler:
         chosen = logprobs.gather(1, tokens.to(torch.int64)[:, None])[:, 0]
         top = logprobs.topk(k, dim=-1)
         return LogprobsOutput(chosen, top.values, top.indices)
+
+
+def prompt_logprobs(logits: torch.Tensor, args: PromptLogprobArgs) -> PromptLogprobsOutput:
+    """logits: [P, V] of the asked prompt positions -> the next prompt token's log-probability, rank and top-k."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, args.targets[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(args.top, dim=-1)
+    return PromptLogprobsOutput(chosen[:, 0], ranks, top.values, top.indices, args.counts)
 
 
 def sampling_probs(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:

@@ -36,6 +36,9 @@ class RequestStatus:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
+    # with prompt_logprobs: None for the first prompt token, then {token id: log-probability} of the prompt
+    # token and the most likely ones
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -125,6 +128,11 @@ class LLM(Scheduler):
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
+            if msg.prompt_logprobs is not None:
+                status.prompt_logprobs = [
+                    None if lp is None else {token: lp, **{int(t): x for t, x in top}}
+                    for token, lp, _, top in msg.prompt_logprobs
+                ]
             step = status.detokenizer.step(msg)
             if step.output_token is not None:
                 status.output_ids.append(step.output_token)
@@ -221,6 +229,7 @@ class LLM(Scheduler):
             "error": status.error,
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
+            "prompt_logprobs": status.prompt_logprobs,
         }
 
     def _stop_ranks_after_error(self) -> None:

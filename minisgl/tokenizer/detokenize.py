@@ -49,6 +49,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of `text` returned so far
         self.searched = 0  # `text` before this has been searched for stop strings
         self.stopped = False  # a stop string was found: the output ends before it
+        self.matched: str | None = None  # that stop string
 
     def step(self, msg: DetokenizeMsg) -> DetokenizeStep:
         """Take one message of the scheduler for this request."""
@@ -91,11 +92,11 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        cut = self._find_stop()
-        if cut is not None:
+        found = self._find_stop()
+        if found is not None:
+            end, self.matched = found
             self.stopped = True
-            self.text = self.text[:cut]
-            end = cut
+            self.text = self.text[:end]
         else:
             self.searched = len(self.text)
             held = 0 if final or len(self.ids) < self.min_tokens else self._partial_stop_len()
@@ -104,14 +105,15 @@ class IncrementalDetokenizer:
         self.sent += len(out)
         return out
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which one it is."""
         if not self.stop or len(self.ids) < self.min_tokens:
             return None
         # a stop string that starts before `searched` would have been found already, unless it ends after it
         # text already sent cannot be cut back (before min_tokens it is sent unsearched)
         start = max(self.sent, self.searched - max(len(s) for s in self.stop) + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _partial_stop_len(self) -> int:
         """Length of the longest end of `text` that a stop string starts with."""
