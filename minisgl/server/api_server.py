@@ -74,8 +74,12 @@ class Choice:
 
     @property
     def stop_reason(self) -> int | str | None:
-        """vLLM's stop_reason: the stop string or stop_token_ids id that ended the choice (None for EOS)."""
-        return None if self.matched_eos else self.matched_stop
+        return _stop_reason(self)
+
+
+def _stop_reason(c: Choice | UserReply) -> int | str | None:
+    """vLLM's stop_reason: the stop string or stop_token_ids id that ended the choice (None for EOS)."""
+    return None if c.matched_eos else c.matched_stop
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -183,9 +187,8 @@ class _Format:
     def _envelope(
         self, choices: list[dict[str, Any]], reply: UserReply | None = None, **extra: Any
     ) -> dict[str, Any]:
-        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
-        if self.fingerprint is not None:
-            out["system_fingerprint"] = self.fingerprint
+        """A stream chunk; `reply` is the one it shows, whose usage goes on it with continuous_usage."""
+        out = self._head()
         out["choices"] = choices
         if self.include_usage:
             out["usage"] = None
@@ -195,6 +198,7 @@ class _Format:
         return out
 
     def _head(self) -> dict[str, Any]:
+        """What every answer and chunk starts with."""
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
         if self.fingerprint is not None:
             out["system_fingerprint"] = self.fingerprint
@@ -221,9 +225,8 @@ class ChatFormat(_Format):
                 entry["choices"][0]["token_ids"] = reply.token_ids or []
             out.append(entry)
         if reply.finished:
-            choice.matched_stop, choice.matched_eos = reply.matched_stop, reply.matched_eos
             out.append(
-                self._choice(i, reply, {}, finish_reason=reply.finish_reason, stop_reason=choice.stop_reason)
+                self._choice(i, reply, {}, finish_reason=reply.finish_reason, stop_reason=_stop_reason(reply))
             )
         return out
 
@@ -321,7 +324,7 @@ class CompletionFormat(_Format):
         text, logprobs = reply.text, reply.logprobs
         if head:
             text = (reply.prompt_text or "") + text
-            logprobs = self._echoed(reply) + (logprobs or []) if self.logprobs_asked else logprobs
+            logprobs = (reply.prompt_logprobs or []) + (logprobs or []) if self.logprobs_asked else logprobs
         entry: dict[str, Any] = {
             "index": i,
             "text": text,
@@ -329,7 +332,7 @@ class CompletionFormat(_Format):
             "finish_reason": reply.finish_reason if reply.finished else None,
         }
         if reply.finished:
-            entry["stop_reason"] = None if reply.matched_eos else reply.matched_stop
+            entry["stop_reason"] = _stop_reason(reply)
         if self.return_token_ids:
             entry["token_ids"] = reply.token_ids or []
             if reply.prompt_token_ids is not None:
@@ -338,17 +341,14 @@ class CompletionFormat(_Format):
             entry["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
         return [self._envelope([entry], reply)]
 
-    def _echoed(self, c: Choice | UserReply) -> list[TokenLogprob]:
-        """The prompt's tokens as logprob entries: the first has no log-probability (None)."""
-        return list(c.prompt_logprobs or [])
-
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         entries = []
         for i, c in enumerate(choices):
             text, logprobs = c.text, c.logprobs
             if self.echo:
                 text = (c.prompt_text or "") + text
-                logprobs = self._echoed(c) + logprobs if self.logprobs_asked else logprobs
+                # the prompt's tokens first: the first of them has no log-probability (None)
+                logprobs = (c.prompt_logprobs or []) + logprobs if self.logprobs_asked else logprobs
             asked = self.logprobs_asked or bool(logprobs)
             entry: dict[str, Any] = {
                 "index": i,
