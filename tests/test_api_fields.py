@@ -82,6 +82,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"messages": [{"role": "user", "content": "a", "mood": "x"}]},
         "messages[0].mood",
     ),
+    "a-refusal-sent-back": (
+        "/v1/chat/completions",
+        {"messages": [*CHAT, {"role": "assistant", "content": "no", "refusal": "I can't"}]},
+        "messages[1].refusal",
+    ),
     "unknown-stream-option": (
         "/v1/completions",
         {"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "extra": 1}},
@@ -176,6 +181,15 @@ def test_no_op_fields_of_openai_clients_change_nothing(server: Server, name: str
         extra_body={"safety_identifier": "s", "prompt_cache_key": "p"},
     )
     assert noted.choices[0].message.content == plain.choices[0].message.content
+    # an answer's message sent back as the client got it (its null fields included), and a speaker's name
+    history = [
+        {**CHAT[0], "name": "ada"},
+        # (tool_calls is the tools' to take)
+        plain.choices[0].message.model_dump(exclude={"tool_calls"}),
+        {"role": "user", "content": "and then?"},
+    ]
+    again = client.chat.completions.create(model=name, messages=history, max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
 
 
 # ---- logit_bias and min_tokens --------------------------------------------------------------------

@@ -294,6 +294,12 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # the speaker's name: given to the chat template, which may write it
+    # fields of the assistant messages OpenAI answers with, which clients send back as they got them:
+    # null says nothing; a value is refused, as the chat template has no place for it
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
 
 # vLLM's default: the prompt ends with the assistant's header, so the model writes a new message
