@@ -103,6 +103,9 @@ class Batch:
     out_loc: torch.Tensor = field(init=False)
     # in a prefill, the packed index of each request's last token
     last_indices: torch.Tensor = field(init=False)
+    # in a prefill, the packed indices of the prompt positions whose logits a request asks for
+    # (prompt_logprobs); their logits follow the last tokens' ones. None: no request asks
+    prompt_logit_indices: torch.Tensor | None = field(init=False, default=None)
     attn_metadata: Any = field(init=False, default=None)
     # reqs plus dummy rows that pad a CUDA-graph batch
     padded_reqs: list[Req] = field(init=False)

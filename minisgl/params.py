@@ -17,6 +17,9 @@ SEED_RANGE = (INT64_MIN, (1 << 64) - 1)
 # request shares: their number and length are bounded so that no request can slow the others down.
 MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 256
 MAX_STOP_TOKEN_IDS = 1024  # looked up after every token
+# logit_bias is a sparse add over the vocabulary inside the batch: its size per request is bounded so that
+# one request cannot make every step of the others slower; the bias range is OpenAI's
+MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE = 1024, (-100.0, 100.0)
 # A temperature below this is greedy (vLLM's rule): dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -44,8 +47,8 @@ class InvalidParam(RequestError):
 
 def _param(default: Any, help: str) -> Any:
     # the help text is the one description of a field: the CLI and the API models are built from it
-    if isinstance(default, list):
-        return field(default_factory=list, metadata={"help": help})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=type(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -66,10 +69,15 @@ class SamplingParams:
     ignore_eos: bool = _param(False, "keep generating after an end-of-sequence token")
     stop: list[str] = _param([], "strings that end the output (not included in it)")
     stop_token_ids: list[int] = _param([], "token ids that end the output (not included in it)")
+    min_tokens: int = _param(0, "generate at least this many tokens: EOS, stop ids and stop strings wait")
+    logit_bias: dict[int, float] = _param({}, "token id -> bias in [-100, 100] added to its logit")
     presence_penalty: float = _param(0.0, "subtracted once from the logit of every generated token")
     frequency_penalty: float = _param(0.0, "subtracted per occurrence from the logit of generated tokens")
     repetition_penalty: float = _param(1.0, "divides the logits of every token seen so far; 1 turns it off")
     logprobs: int | None = _param(None, "top log-probabilities per token (0: the chosen one); None: off")
+    prompt_logprobs: int | None = _param(
+        None, "log-probabilities of the prompt's tokens, with this many top ones (computes the whole prompt)"
+    )
     json_schema: str | None = _param(None, "the output is JSON that this JSON schema (a string) accepts")
     regex: str | None = _param(None, "the output matches this regular expression")
     ebnf: str | None = _param(None, "the output is a sentence of this EBNF grammar (root rule: root)")
@@ -127,6 +135,20 @@ class SamplingParams:
             )
         if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
+        if self.prompt_logprobs is not None and not is_int(self.prompt_logprobs, 0, 20):
+            raise bad("prompt_logprobs", "it must be an integer in [0, 20], or None to turn it off")
+        if not is_int(self.min_tokens, 0) or self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", "it must be an integer in [0, max_tokens]")
+        low, high = LOGIT_BIAS_RANGE
+        if (
+            not isinstance(self.logit_bias, dict)
+            or len(self.logit_bias) > MAX_LOGIT_BIAS
+            or not all(is_int(t, 0) and is_finite(b) and low <= b <= high for t, b in self.logit_bias.items())
+        ):
+            raise bad(
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS} token ids (integers >= 0), each with a bias in [{low:g}, {high:g}]",
+            )
         constraints = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         for name in constraints:
             if not isinstance(getattr(self, name), str):

@@ -160,8 +160,11 @@ def test_a_mistyped_command_names_the_commands() -> None:
         (["generate", "--nope", "hi"], "unrecognized arguments: --nope"),
         (["generate", "--temperature", "-1", "hi"], "temperature"),
         (["--port", "http"], "--port"),
+        (["generate", "--logit-bias", "42", "hi"], "ID=VALUE"),
+        (["generate", "--logit-bias", "42=101", "hi"], "logit_bias"),
+        (["generate", "--max-tokens", "2", "--min-tokens", "3", "hi"], "min_tokens"),
     ],
-    ids=["serve", "generate", "sampling", "type"],
+    ids=["serve", "generate", "sampling", "type", "logit-bias-form", "logit-bias-range", "min-tokens"],
 )
 def test_a_bad_option_is_one_line_and_exit_code_2(args: list[str], says: str) -> None:
     out = minisgl(*args)

@@ -143,7 +143,9 @@ def test_an_integer_wider_than_64_bits_is_a_400_naming_the_field_and_leaves_noth
     server: Server, case: str
 ) -> None:
     path, body, param = WIDE_CASES[case]
-    status, answer, _ = _post(server, path, {**body, "max_tokens": body.get("max_tokens", 2)})
+    # max_tokens is OpenAI's name; /generate has no such field and refuses it
+    short = {} if path == "/generate" else {"max_tokens": body.get("max_tokens", 2)}
+    status, answer, _ = _post(server, path, {**body, **short})
     assert status == 400, answer
     _assert_error(answer, param)
     _assert_idle(server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +21,14 @@ from minisgl.engine.prepare import (
     make_positions,
     make_write_tuple,
 )
-from minisgl.engine.sample import BatchSamplingArgs, LogprobsOutput, Sampler
+from minisgl.engine.sample import (
+    BatchSamplingArgs,
+    LogprobsOutput,
+    PromptLogprobArgs,
+    PromptLogprobsOutput,
+    Sampler,
+    prompt_logprobs,
+)
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models import ModelConfig, create_model
@@ -40,6 +48,7 @@ class ForwardOutput:
     copy_done: CopyDone
     # on the CPU; only when a request of the batch asks
     logprobs: LogprobsOutput | None = None
+    prompt_logprobs: PromptLogprobsOutput | None = None
 
 
 class Engine:
@@ -209,24 +218,66 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
-    def prepare_batch(self, batch: Batch, token_mask: torch.Tensor | None = None) -> ForwardInput:
+    def prepare_batch(
+        self,
+        batch: Batch,
+        token_mask: torch.Tensor | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
         The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
-        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py).
+        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py);
+        `eos_token_ids` are the tokens a request below its min_tokens may not sample.
         """
         self.graph_runner.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
         input_mapping = make_input_tuple(batch, self.device)
         write_mapping = make_write_tuple(batch, self.device)
         batch.out_loc = self.page_table[input_mapping].to(torch.int64)
+        prompt_args = None
         if batch.is_prefill:
             batch.last_indices = make_last_indices(batch, self.device)
+            prompt_args = self._prompt_logprob_args(batch)
         self.attn_backend.prepare_metadata(batch)
-        sample_args = self.sampler.prepare(batch, self.token_pool)
+        sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids)
+        sample_args.prompt = prompt_args
         if token_mask is not None:
             sample_args.token_mask = token_mask.to(self.device, non_blocking=self.device.type == "cuda")
         return ForwardInput(batch, sample_args, input_mapping, write_mapping)
+
+    def _prompt_logprob_args(self, batch: Batch) -> PromptLogprobArgs | None:
+        """The positions of this prefill whose next token is a prompt token, for the requests that ask
+        for prompt logprobs (their whole prompt is computed: the scheduler skips the prefix cache for them)."""
+        asking = [
+            r.sampling_params.prompt_logprobs
+            for r in batch.reqs
+            if r.sampling_params.prompt_logprobs is not None
+        ]
+        if not asking:
+            return None
+        indices: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        counts: list[int] = []
+        offset = 0
+        for r in batch.reqs:
+            n = 0
+            if r.sampling_params.prompt_logprobs is not None:
+                # position p predicts token p + 1; the prompt's last position predicts the first output token
+                n = max(0, min(r.device_len, r.prompt_len - 1) - r.cached_len)
+                indices += range(offset, offset + n)
+                rows += [r.table_idx] * n
+                cols += range(r.cached_len + 1, r.cached_len + 1 + n)
+            counts.append(n)
+            offset += r.extend_len
+        if not indices:
+            return None
+        batch.prompt_logit_indices = torch.tensor(indices, dtype=torch.int64).to(self.device)
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        cols_t = torch.tensor(cols, dtype=torch.int64).to(self.device)
+        targets = self.token_pool[rows_t, cols_t].to(torch.int64)
+        return PromptLogprobArgs(targets, counts, max(asking))
 
     @torch.inference_mode()
     def forward_batch(self, forward_input: ForwardInput) -> ForwardOutput:
@@ -251,8 +302,13 @@ class Engine:
         if args.top_logprobs is not None:
             logprobs = self.sampler.logprobs(logits[: batch.size], next_tokens, args.top_logprobs)
             logprobs = logprobs.to("cpu", non_blocking=non_blocking)
+        prompt_out = None
+        if args.prompt is not None:
+            # the prompt positions' logits follow the last tokens' ones
+            first = logits.shape[0] - args.prompt.targets.shape[0]
+            prompt_out = prompt_logprobs(logits[first:], args.prompt).to("cpu", non_blocking=non_blocking)
         next_cpu = next_tokens.to("cpu", non_blocking=non_blocking)
-        return ForwardOutput(next_tokens, next_cpu, CopyDone(self.device), logprobs)
+        return ForwardOutput(next_tokens, next_cpu, CopyDone(self.device), logprobs, prompt_out)
 
     def shutdown(self) -> None:
         set_global_ctx(None)

@@ -7,6 +7,8 @@ step has no hidden state to carry (which also keeps it graph- and overlap-friend
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,30 @@ class BatchSamplingArgs:
     penalty: PenaltyArgs | None = None
     top_logprobs: int | None = None  # the most top log-probabilities a request asks for; None: none asks
     token_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 bits of allowed tokens; None: no grammar
+    bias: LogitBias | None = None  # logit_bias, and the stop ids min_tokens holds back; None: none
+    prompt: PromptLogprobArgs | None = None  # a prefill's prompt logprobs; None: no request asks
+
+
+@dataclass
+class PromptLogprobArgs:
+    """Which prompt positions of a prefill get log-probabilities: those whose next token is a prompt token."""
+
+    targets: torch.Tensor  # [P] the prompt token at each such position + 1, on the device
+    counts: list[int]  # positions per request of the batch, in order (0: it does not ask)
+    top: int  # the most top log-probabilities a request of the batch asks for
+
+
+@dataclass
+class LogitBias:
+    """A sparse add on the logits: logits[rows[i], cols[i]] += values[i] (-inf bans a token)."""
+
+    rows: torch.Tensor  # [N] int64
+    cols: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        # out of place: the logits may be a CUDA graph's output buffer
+        return logits.index_put((self.rows, self.cols), self.values, accumulate=True)
 
 
 @dataclass
@@ -63,6 +89,21 @@ class LogprobsOutput:
     def to(self, device: str, non_blocking: bool) -> LogprobsOutput:
         tensors = (self.token_logprobs, self.top_logprobs, self.top_ids)
         return LogprobsOutput(*(t.to(device, non_blocking=non_blocking) for t in tensors))
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """Log-probabilities of prompt tokens from the logits of the positions before them."""
+
+    token_logprobs: torch.Tensor  # [P]
+    ranks: torch.Tensor  # [P] 1 + the tokens more likely than the prompt's
+    top_logprobs: torch.Tensor  # [P, k]
+    top_ids: torch.Tensor  # [P, k]
+    counts: list[int]  # PromptLogprobArgs.counts
+
+    def to(self, device: str, non_blocking: bool) -> PromptLogprobsOutput:
+        tensors = (self.token_logprobs, self.ranks, self.top_logprobs, self.top_ids)
+        return PromptLogprobsOutput(*(t.to(device, non_blocking=non_blocking) for t in tensors), self.counts)
 
 
 @dataclass
@@ -85,8 +126,16 @@ class Sampler:
             self.device, non_blocking=True
         )
 
-    def prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
-        """Sampling arguments of the batch; `token_pool` holds every request's tokens (for penalties)."""
+    def prepare(
+        self, batch: Batch, token_pool: torch.Tensor, eos_token_ids: Sequence[int] = ()
+    ) -> BatchSamplingArgs:
+        """Sampling arguments of the batch; `token_pool` holds every request's tokens (for penalties);
+        `eos_token_ids` are held back, with each request's stop ids, until it has min_tokens tokens."""
+        args = self._prepare(batch, token_pool)
+        args.bias = self._prepare_bias(batch, eos_token_ids)
+        return args
+
+    def _prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
         reqs = batch.reqs
         params = [r.sampling_params for r in reqs]
         penalised = any(p.has_penalty for p in params)
@@ -114,6 +163,30 @@ class Sampler:
             args.penalty = self._prepare_penalty(batch, token_pool)
         return args
 
+    def _prepare_bias(self, batch: Batch, eos_token_ids: Sequence[int]) -> LogitBias | None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, r in enumerate(batch.reqs):
+            p = r.sampling_params
+            for token, bias in p.logit_bias.items():
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+            # device_len - prompt_len tokens are generated before this step's sample
+            if r.device_len - r.prompt_len < p.min_tokens:
+                stops = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+                # a stop id beyond the vocabulary can never be sampled: nothing to hold back
+                held = [t for t in stops if t < self.vocab_size]
+                rows += [i] * len(held)
+                cols += held
+                values += [-math.inf] * len(held)
+        if not rows:
+            return None
+        return LogitBias(
+            self._to(rows, torch.int64), self._to(cols, torch.int64), self._to(values, torch.float32)
+        )
+
     def _prepare_penalty(self, batch: Batch, token_pool: torch.Tensor) -> PenaltyArgs:
         reqs = batch.reqs
         # at sampling time the request's known tokens are the pool row up to device_len (the inputs of this step)
@@ -136,6 +209,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """logits: [B, V] float32 -> next token ids [B] int32."""
+        if args.bias is not None:
+            logits = args.bias.apply(logits)
         if args.token_mask is not None:
             logits = apply_token_mask(logits, args.token_mask)
         if args.greedy:
@@ -162,6 +237,15 @@ class Sampler:
         chosen = logprobs.gather(1, tokens.to(torch.int64)[:, None])[:, 0]
         top = logprobs.topk(k, dim=-1)
         return LogprobsOutput(chosen, top.values, top.indices)
+
+
+def prompt_logprobs(logits: torch.Tensor, args: PromptLogprobArgs) -> PromptLogprobsOutput:
+    """logits: [P, V] of the asked prompt positions -> the next prompt token's log-probability, rank and top-k."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, args.targets[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(args.top, dim=-1)
+    return PromptLogprobsOutput(chosen[:, 0], ranks, top.values, top.indices, args.counts)
 
 
 def sampling_probs(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:

@@ -22,7 +22,7 @@ from minisgl.utils.hf import find_model
 HEADER_CHARS = 72  # a prompt is shown by its start, on one line
 # where the command line differs from SamplingParams: a shorter default, and no logprobs to print
 _DEFAULTS = {"max_tokens": 128}
-_LEFT_OUT = {"logprobs"}
+_LEFT_OUT = {"logprobs", "prompt_logprobs"}
 
 
 def _sampling_fields() -> list[str]:
@@ -38,6 +38,15 @@ def _add_sampling_options(group: Any) -> None:
         flag, text, kind = "--" + f.name.replace("_", "-"), f.metadata["help"], hints[f.name]
         if kind is bool:
             group.add_argument(flag, action="store_true", help=f"{text} (default: off)")
+        elif get_origin(kind) is dict:
+            group.add_argument(
+                flag,
+                action="append",
+                type=_id_and_value,
+                default=[],
+                metavar="ID=VALUE",
+                help=f"{text}; repeatable (default: none)",
+            )
         elif get_origin(kind) is list:
             item = get_args(kind)[0]
             group.add_argument(
@@ -47,6 +56,17 @@ def _add_sampling_options(group: Any) -> None:
             scalar = next(t for t in (int, float, str) if t is kind or t in get_args(kind))
             default = _DEFAULTS.get(f.name, f.default)
             group.add_argument(flag, type=scalar, default=default, help=f"{text} (default: %(default)s)")
+
+
+def _id_and_value(text: str) -> tuple[int, float]:
+    """ID=VALUE, e.g. 42=-100 for --logit-bias."""
+    token, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=VALUE (e.g. 42=-100)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +134,9 @@ def main(argv: list[str]) -> int:
     prompts = args.prompts or _stdin_prompts()
     find_model(args.model)  # a missing model fails now, not after seconds of imports
 
-    params = SamplingParams(**{name: getattr(args, name) for name in _sampling_fields()})
+    values = {name: getattr(args, name) for name in _sampling_fields()}
+    values["logit_bias"] = dict(values["logit_bias"])
+    params = SamplingParams(**values)
     try:
         params.validate()
     except ValueError as e:

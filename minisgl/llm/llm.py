@@ -36,6 +36,9 @@ class RequestStatus:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0
+    # with prompt_logprobs: None for the first prompt token, then {token id: log-probability} of the prompt
+    # token and the most likely ones
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -125,6 +128,11 @@ class LLM(Scheduler):
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
+            if msg.prompt_logprobs is not None:
+                status.prompt_logprobs = [
+                    None if lp is None else {token: lp, **{int(t): x for t, x in top}}
+                    for token, lp, _, top in msg.prompt_logprobs
+                ]
             step = status.detokenizer.step(msg)
             if step.output_token is not None:
                 status.output_ids.append(step.output_token)
@@ -173,7 +181,9 @@ class LLM(Scheduler):
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             input_ids = self._tokenize_one(prompt)
             self.pending_requests.append(_Pending(uid, input_ids, sp))
-            detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, streaming=False)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, sp.stop, streaming=False, min_tokens=sp.min_tokens
+            )
             self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
         self._progress = GenerateProgress(len(prompts), use_tqdm)
         TRACE.arrivals(list(self.status_map))
@@ -219,6 +229,7 @@ class LLM(Scheduler):
             "error": status.error,
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
+            "prompt_logprobs": status.prompt_logprobs,
         }
 
     def _stop_ranks_after_error(self) -> None:

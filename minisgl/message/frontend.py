@@ -21,6 +21,10 @@ class TokenizeMsg:
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # a chat, rendered with the model's chat template
     uids: list[int] = field(default_factory=list)  # assigned by EngineClient.submit
+    # how the chat template ends the prompt: a new assistant message, or the last message continued
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_prompt: bool = False  # the first reply of each choice carries the prompt's token ids and text
 
 
 @dataclass
@@ -32,9 +36,10 @@ class AbortMsg:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing comes before
     # the most likely tokens at this position, most likely first
     top: list[TokenLogprob] = field(default_factory=list)
+    rank: int | None = None  # 1 + the tokens more likely than this one, where it is known (prompt tokens)
 
 
 @dataclass
@@ -51,6 +56,15 @@ class UserReply:
     cached_tokens: int = 0
     completion_tokens: int = 0  # tokens generated so far
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
+    # the new tokens: the output's, then the stop token that ended it (which is not in the text)
+    token_ids: list[int] | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended the request
+    matched_eos: bool = False  # that token is an EOS (not one of the request's stop_token_ids)
+    # with the first reply: the prompt (when TokenizeMsg.return_prompt) and one entry per prompt token
+    # (when prompt_logprobs is set; the first with no log-probability)
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

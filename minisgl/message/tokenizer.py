@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -17,3 +18,7 @@ class DetokenizeMsg:
     prompt_tokens: int = 0
     logprob: float | None = None  # the new token's log-probability, when the request asks for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, log-probability), most likely first
+    # with the first token, when the request asks: [token id, log-probability, rank, top] of each prompt
+    # token, top as [[token id, log-probability], ...]; the first token's log-probability and rank are None
+    prompt_logprobs: list[list[Any]] | None = None
+    matched_eos: bool = False  # finish_reason "stop" came from an EOS token, not from a stop_token_ids id

@@ -59,4 +59,5 @@ def serialize(obj: Any) -> bytes:
 
 
 def deserialize(data: bytes) -> Any:
-    return msgpack.unpackb(data, object_hook=_decode)
+    # logit_bias maps token ids (integers) to biases
+    return msgpack.unpackb(data, object_hook=_decode, strict_map_key=False)

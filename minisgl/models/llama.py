@@ -84,9 +84,13 @@ class LlamaForCausalLM(nn.Module):
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self) -> torch.Tensor:
-        """Logits of the last position of every request in the batch being forwarded."""
+        """Logits of the last position of every request in the batch being forwarded (then, in a prefill,
+        of the prompt positions batch.prompt_logit_indices names)."""
         batch = get_global_ctx().batch
         hidden = self.model(batch.input_ids, batch.positions)
         if batch.is_prefill:
-            hidden = hidden[batch.last_indices]
+            rows = batch.last_indices
+            if batch.prompt_logit_indices is not None:
+                rows = torch.cat([rows, batch.prompt_logit_indices])
+            hidden = hidden[rows]
         return self.lm_head(hidden).float()

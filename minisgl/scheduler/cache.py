@@ -56,7 +56,10 @@ class CacheManager:
         """Tokens of KV that could be handed out now: free pages plus what eviction could free."""
         return (len(self.free_pages) + self.prefix_cache.evictable_pages) * self.page_size
 
-    def match_req(self, input_ids: list[int]) -> MatchResult:
+    def match_req(self, input_ids: list[int], computes_all: bool = False) -> MatchResult:
+        """The cached prefix a new request starts from; `computes_all`: none, the whole prompt is computed."""
+        if computes_all:
+            return MatchResult(None, [], 0)
         # the last prompt token is always computed: its logits give the first output token
         return self.prefix_cache.match_prefix(input_ids[:-1])
 

@@ -45,6 +45,13 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
             None,
             "invalid_token_ids",
         )
+    outside = [t for t in params.logit_bias if t >= vocab]
+    if outside:
+        raise RequestError(
+            f"logit_bias has token ids outside the vocabulary ({outside[0]} among them); each must be in [0, {vocab})",
+            "logit_bias",
+            "invalid_logit_bias",
+        )
     max_tokens = min(params.max_tokens, max_seq_len - input_len)
     pool = limits.num_pages * limits.page_size
     # the same whole pages PrefillAdder asks for, so a request that passes here is admitted once the pool is idle

@@ -37,8 +37,11 @@ class PrefillAdder:
         if self.table_manager.available_size == 0:
             return None
         cm = self.cache_manager
-        match = cm.match_req(pending_req.input_ids)
-        if self._waits_for_batch(pending_req.input_ids, match.length):
+        # prompt logprobs need the logits of every prompt position: a cached prefix has none
+        computes_all = pending_req.sampling_params.prompt_logprobs is not None
+        match = cm.match_req(pending_req.input_ids, computes_all)
+        # waiting for a shared prefix to be cached gains nothing to a request that does not use the cache
+        if not computes_all and self._waits_for_batch(pending_req.input_ids, match.length):
             return None
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
         # whole pages for prompt + max_tokens, as check_request counts them: a request it lets

@@ -11,6 +11,7 @@ from minisgl.constrained.grammar import GrammarManager
 from minisgl.core import Batch, ChunkedReq, Req, RequestError
 from minisgl.engine.engine import ForwardOutput
 from minisgl.engine.prepare import ForwardInput
+from minisgl.engine.sample import PromptLogprobsOutput
 from minisgl.env import ENV
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
 from minisgl.message.frontend import SchedulerStats
@@ -68,10 +69,13 @@ class Scheduler(SchedulerIOMixin):
         )
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
+        self._eos_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarManager(
             self.tokenizer, self.engine.model_config.vocab_size, sorted(self.eos_token_ids)
         )
         self.prefill_budget = config.max_extend_tokens
+        # prompt logprobs of requests whose prompt is prefilled in chunks, gathered until the last chunk
+        self._prompt_logprobs: dict[int, list[tuple[float, int, list[list[Any]]]]] = {}
         self.cache_stats = CacheStats()
         # called once per loop iteration with the prepared batch about to run (None when nothing runs):
         # tests and tools watch the schedule through this, never by replacing methods
@@ -144,7 +148,8 @@ class Scheduler(SchedulerIOMixin):
         forward_input = None
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
-            forward_input = self.engine.prepare_batch(batch, self.grammars.fill_masks(batch.reqs))
+            masks = self.grammars.fill_masks(batch.reqs)
+            forward_input = self.engine.prepare_batch(batch, masks, self._eos_ids)
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
@@ -174,8 +179,11 @@ class Scheduler(SchedulerIOMixin):
         new_finished: set[Req] = set()
         # one conversion: indexing a tensor per request costs microseconds
         tokens = output.next_tokens_cpu.tolist()
+        prompt_parts = _split_prompt_logprobs(output.prompt_logprobs, batch.reqs)
         with self.cache_manager.lazy_free_region():
             for i, req in enumerate(batch.reqs):
+                if prompt_parts[i] and req not in self.finished_reqs:
+                    self._prompt_logprobs.setdefault(req.uid, []).extend(prompt_parts[i])
                 # a chunked request produces no output this step
                 if isinstance(req, ChunkedReq):
                     continue
@@ -194,11 +202,18 @@ class Scheduler(SchedulerIOMixin):
                     )
                 if batch.is_prefill:
                     msg.prompt_tokens, msg.cached_tokens = req.prompt_len, req.num_cached_tokens
+                    if req.sampling_params.prompt_logprobs is not None:
+                        # position p's entry is for the prompt token p + 1; the first token has none
+                        got = self._prompt_logprobs.pop(req.uid, [])
+                        ids = req.input_ids[: req.prompt_len]
+                        first: list[Any] = [ids[0], None, None, []]
+                        msg.prompt_logprobs = [first, *([t, *e] for t, e in zip(ids[1:], got))]
                     self.cache_stats.prompt_tokens += req.prompt_len
                     self.cache_stats.cached_tokens += req.num_cached_tokens
                 # judged by the tokens the CPU has received, which does not depend on the scheduling rhythm
                 reason = self._finish_reason(req, token)
                 msg.finished, msg.finish_reason = reason is not None, reason
+                msg.matched_eos = reason == "stop" and token not in req.sampling_params.stop_token_ids
                 reply.append(msg)
                 if reason is not None:
                     self.decode_manager.remove_req(req)
@@ -272,6 +287,7 @@ class Scheduler(SchedulerIOMixin):
             # under overlap it may still be in an in-flight batch: its result there is dropped
             self.finished_reqs.add(req)
         self.grammars.remove(uid)
+        self._prompt_logprobs.pop(uid, None)
         TRACE.point(uid, "abort")
         self.reply([DetokenizeMsg(uid, -1, True, "abort")])
 
@@ -339,6 +355,26 @@ class Scheduler(SchedulerIOMixin):
 
     def stop_other_ranks(self) -> None:
         """Offline, rank 0's owner waits here for the other ranks to end (their trace parts are complete)."""
+
+
+def _split_prompt_logprobs(
+    out: PromptLogprobsOutput | None, reqs: list[Req]
+) -> list[list[tuple[float, int, list[list[Any]]]]]:
+    """Each request's (log-probability, rank, top [[id, log-probability], ...]) of this step's prompt positions."""
+    if out is None:
+        return [[] for _ in reqs]
+    lps, ranks = out.token_logprobs.tolist(), out.ranks.tolist()
+    top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+    parts, start = [], 0
+    for req, n in zip(reqs, out.counts):
+        k = req.sampling_params.prompt_logprobs or 0
+        part = [
+            (lps[j], ranks[j], [list(x) for x in zip(top_ids[j][:k], top_lps[j][:k])])
+            for j in range(start, start + n)
+        ]
+        parts.append(part)
+        start += n
+    return parts
 
 
 class _EngineStreamCtx:

@@ -10,12 +10,13 @@ its group, which aborts the sub-requests and frees their slots and pages.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,14 +51,35 @@ class Choice:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # where the next token's text starts, for the completions logprobs
+    token_ids: list[int] = field(default_factory=list)
+    matched_stop: int | str | None = None
+    matched_eos: bool = False
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, reply: UserReply) -> None:
         self.text += reply.text
         self.prompt_tokens, self.cached_tokens = reply.prompt_tokens, reply.cached_tokens
         self.completion_tokens = reply.completion_tokens
         self.logprobs += reply.logprobs or []
+        self.token_ids += reply.token_ids or []
+        if reply.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_text = reply.prompt_token_ids, reply.prompt_text
+        if reply.prompt_logprobs is not None:
+            self.prompt_logprobs = reply.prompt_logprobs
         if reply.finished:
             self.finish_reason, self.error = reply.finish_reason, reply.error
+            self.matched_stop, self.matched_eos = reply.matched_stop, reply.matched_eos
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return _stop_reason(self)
+
+
+def _stop_reason(c: Choice | UserReply) -> int | str | None:
+    """vLLM's stop_reason: the stop string or stop_token_ids id that ended the choice (None for EOS)."""
+    return None if c.matched_eos else c.matched_stop
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -73,6 +95,40 @@ def _usage(choices: list[Choice], n: int) -> dict[str, Any]:
     }
 
 
+def _choice_usage(reply: UserReply) -> dict[str, Any]:
+    """One choice's usage so far, for stream_options.continuous_usage_stats."""
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def system_fingerprint(model: str, max_seq_len: int) -> str:
+    """OpenAI's system_fingerprint: the same for every answer of one build serving one model."""
+    key = f"{minisgl.__version__}|{model}|{max_seq_len}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: None for the first token (nothing comes before it), then {token id:
+    {logprob, rank, decoded_token}} of the prompt token and the most likely ones."""
+    if entries is None:
+        return None
+
+    def one(t: TokenLogprob) -> dict[str, Any] | None:
+        if t.logprob is None:
+            return None
+        out = {
+            str(x.token_id): {"logprob": x.logprob, "rank": r, "decoded_token": x.token}
+            for r, x in enumerate(t.top, 1)
+        }
+        out[str(t.token_id)] = {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token}
+        return out
+
+    return [one(t) for t in entries]
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -85,13 +141,29 @@ class _Format:
     """How one endpoint shapes its answer; `prompt_param` is the field a prompt error points at."""
 
     prompt_param = "prompt"
+    sampling_prefix = ""  # where the body's sampling parameters are
     id_prefix = "cmpl"
     object = "text_completion"
 
-    def __init__(self, model: str, n: int, include_usage: bool) -> None:
+    def __init__(
+        self,
+        model: str,
+        n: int,
+        include_usage: bool,
+        fingerprint: str | None = None,
+        continuous_usage: bool = False,
+        return_token_ids: bool = False,
+        logprobs_asked: bool = False,
+    ) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.include_usage = model, n, include_usage
+        self.fingerprint, self.continuous_usage = fingerprint, continuous_usage
+        self.return_token_ids, self.logprobs_asked = return_token_ids, logprobs_asked
+
+    def view(self, reply: UserReply) -> UserReply:
+        """The reply as this call shows it (a call of echo alone leaves the generated token out)."""
+        return reply
 
     @property
     def request_id(self) -> str | None:
@@ -112,12 +184,24 @@ class _Format:
             return None
         return self._envelope([], usage=_usage(choices, self.n))
 
-    def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+    def _envelope(
+        self, choices: list[dict[str, Any]], reply: UserReply | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        """A stream chunk; `reply` is the one it shows, whose usage goes on it with continuous_usage."""
+        out = self._head()
         out["choices"] = choices
         if self.include_usage:
             out["usage"] = None
+        if self.continuous_usage and reply is not None:
+            out["usage"] = _choice_usage(reply)
         out.update(extra)
+        return out
+
+    def _head(self) -> dict[str, Any]:
+        """What every answer and chunk starts with."""
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
         return out
 
 
@@ -129,19 +213,31 @@ class ChatFormat(_Format):
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         out = []
         if reply.completion_tokens > 0 and choice.completion_tokens == 0:
-            out.append(self._choice(i, {"role": "assistant", "content": ""}))
-        if reply.text or reply.logprobs:
-            out.append(self._choice(i, {"content": reply.text}, reply.logprobs))
+            first = self._choice(i, reply, {"role": "assistant", "content": ""})
+            if self.return_token_ids and reply.prompt_token_ids is not None:
+                first["prompt_token_ids"] = reply.prompt_token_ids
+            if reply.prompt_logprobs is not None:
+                first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
+            out.append(first)
+        if reply.text or reply.logprobs or (self.return_token_ids and reply.token_ids):
+            entry = self._choice(i, reply, {"content": reply.text}, reply.logprobs)
+            if self.return_token_ids:
+                entry["choices"][0]["token_ids"] = reply.token_ids or []
+            out.append(entry)
         if reply.finished:
-            out.append(self._choice(i, {}, finish_reason=reply.finish_reason))
+            out.append(
+                self._choice(i, reply, {}, finish_reason=reply.finish_reason, stop_reason=_stop_reason(reply))
+            )
         return out
 
     def _choice(
         self,
         i: int,
+        reply: UserReply,
         delta: dict[str, Any],
         logprobs: list[TokenLogprob] | None = None,
         finish_reason: Any = None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
         entry = {
             "index": i,
@@ -149,29 +245,38 @@ class ChatFormat(_Format):
             "logprobs": _chat_logprobs(logprobs),
             "finish_reason": finish_reason,
         }
-        return self._envelope([entry])
+        if finish_reason is not None:
+            entry["stop_reason"] = stop_reason
+        return self._envelope([entry], reply)
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
-        return {
-            "id": self.id,
+        entries = []
+        for i, c in enumerate(choices):
+            entry = {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                # asked for and empty (a choice of no tokens) is an empty list, not null
+                "logprobs": _chat_logprobs(c.logprobs) if c.logprobs or self.logprobs_asked else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.return_token_ids:
+                entry["token_ids"] = c.token_ids
+            entries.append(entry)
+        out = self._head() | {
             "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": entries,
             "usage": _usage(choices, self.n),
         }
+        if self.return_token_ids:
+            out["prompt_token_ids"] = choices[0].prompt_token_ids
+        if choices[0].prompt_logprobs is not None:
+            out["prompt_logprobs"] = _prompt_logprobs(choices[0].prompt_logprobs)
+        return out
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    if not logprobs:
+    if logprobs is None:
         return None
 
     def entry(t: TokenLogprob) -> dict[str, Any]:
@@ -181,47 +286,117 @@ def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None
 
 
 class CompletionFormat(_Format):
+    """`echo`: the prompt comes first in the text (and its tokens first in the logprobs); `echo_only`
+    (max_tokens 0): the prompt alone, the one token generated to get there left out."""
+
+    def __init__(
+        self,
+        *args: Any,
+        echo: bool = False,
+        echo_only: bool = False,
+        show_prompt_logprobs: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo, self.echo_only = echo, echo_only
+        # echo with logprobs computes prompt logprobs too; the field shows only when asked for by name
+        self.show_prompt_logprobs = show_prompt_logprobs
+
+    def view(self, reply: UserReply) -> UserReply:
+        if not self.echo_only:
+            return reply
+        reason = "length" if reply.finish_reason in ("stop", "length") else reply.finish_reason
+        return replace(
+            reply,
+            text="",
+            completion_tokens=0,
+            logprobs=None,
+            token_ids=None,
+            finish_reason=reason,
+            matched_stop=None,
+            matched_eos=False,
+        )
+
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
-        if not (reply.text or reply.logprobs or reply.finished):
+        head = self.echo and reply.prompt_text is not None
+        if not (reply.text or reply.logprobs or reply.finished or head):
             return []
-        entry = {
+        text, logprobs = reply.text, reply.logprobs
+        if head:
+            text = (reply.prompt_text or "") + text
+            logprobs = (reply.prompt_logprobs or []) + (logprobs or []) if self.logprobs_asked else logprobs
+        entry: dict[str, Any] = {
             "index": i,
-            "text": reply.text,
-            "logprobs": _completion_logprobs(reply.logprobs, choice),
+            "text": text,
+            "logprobs": _completion_logprobs(logprobs, choice, first_is_prompt=head),
             "finish_reason": reply.finish_reason if reply.finished else None,
         }
-        return [self._envelope([entry])]
+        if reply.finished:
+            entry["stop_reason"] = _stop_reason(reply)
+        if self.return_token_ids:
+            entry["token_ids"] = reply.token_ids or []
+            if reply.prompt_token_ids is not None:
+                entry["prompt_token_ids"] = reply.prompt_token_ids
+        if self.show_prompt_logprobs and reply.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
+        return [self._envelope([entry], reply)]
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         entries = []
         for i, c in enumerate(choices):
-            logprobs = _completion_logprobs(c.logprobs, Choice()) if c.logprobs else None
-            entries.append(
-                {"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-            )
-        return {
-            "id": self.id,
+            text, logprobs = c.text, c.logprobs
+            if self.echo:
+                text = (c.prompt_text or "") + text
+                # the prompt's tokens first: the first of them has no log-probability (None)
+                logprobs = (c.prompt_logprobs or []) + logprobs if self.logprobs_asked else logprobs
+            asked = self.logprobs_asked or bool(logprobs)
+            entry: dict[str, Any] = {
+                "index": i,
+                "text": text,
+                "logprobs": _completion_logprobs(logprobs, Choice(), first_is_prompt=self.echo)
+                if asked
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.return_token_ids:
+                entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
+            if self.show_prompt_logprobs:
+                entry["prompt_logprobs"] = _prompt_logprobs(c.prompt_logprobs)
+            entries.append(entry)
+        return self._head() | {
             "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
             "choices": entries,
             "usage": _usage(choices, self.n),
         }
 
 
-def _completion_logprobs(logprobs: list[TokenLogprob] | None, choice: Choice) -> dict[str, Any] | None:
-    """The legacy completions shape; `choice` keeps the text offset across stream chunks."""
-    if not logprobs:
+def _completion_logprobs(
+    logprobs: list[TokenLogprob] | None, choice: Choice, first_is_prompt: bool = False
+) -> dict[str, Any] | None:
+    """The legacy completions shape; `choice` keeps the text offset across stream chunks.
+
+    Each top_logprobs entry holds the chosen token too (so logprobs=0 gives the chosen token alone, as
+    OpenAI and vLLM do); with echo the prompt's first token has no log-probability and no top entry.
+    """
+    if logprobs is None:
         return None
     offsets = []
     for t in logprobs:
         offsets.append(choice.text_offset)
         choice.text_offset += len(t.token)
+    tops: list[dict[str, float] | None] = []
+    for t in logprobs:
+        # tokens with the same text share a key: the most likely one keeps it
+        top = {x.token: x.logprob for x in reversed(t.top)}
+        top.setdefault(t.token, t.logprob)
+        tops.append(top)
+    if first_is_prompt and logprobs and logprobs[0].logprob is None:
+        tops[0] = None
     return {
         "tokens": [t.token for t in logprobs],
         "token_logprobs": [t.logprob for t in logprobs],
-        # tokens with the same text share a key: the most likely one keeps it
-        "top_logprobs": [{x.token: x.logprob for x in reversed(t.top)} for t in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
@@ -230,6 +405,7 @@ class GenerateFormat(_Format):
     """SGLang's /generate: text (the whole text so far, also when streaming) and meta_info."""
 
     prompt_param = "text"
+    sampling_prefix = "sampling_params."
 
     def __init__(self, model: str, n: int, batch: bool, prompt_param: str) -> None:
         super().__init__(model, n, include_usage=False)
@@ -251,6 +427,9 @@ class GenerateFormat(_Format):
         full.prompt_tokens, full.cached_tokens = reply.prompt_tokens, reply.cached_tokens
         full.completion_tokens = reply.completion_tokens
         full.logprobs = choice.logprobs + (reply.logprobs or [])
+        full.prompt_logprobs = choice.prompt_logprobs or reply.prompt_logprobs
+        if reply.finished:
+            full.matched_stop = reply.matched_stop
         return [self._one(i, full)]
 
     def _one(self, i: int, c: Choice) -> dict[str, Any]:
@@ -267,10 +446,20 @@ class GenerateFormat(_Format):
             "cached_tokens": c.cached_tokens,
             "e2e_latency": time.perf_counter() - self.arrival,
         }
+        if c.finish_reason == "stop":
+            # SGLang's: the stop token id (an EOS among them) or stop string that ended the output
+            meta["matched_stop"] = c.matched_stop
         if c.logprobs:
             meta["output_token_logprobs"] = [[t.logprob, t.token_id, t.token] for t in c.logprobs]
             meta["output_top_logprobs"] = [
                 [[x.logprob, x.token_id, x.token] for x in t.top] for t in c.logprobs
+            ]
+        if c.prompt_logprobs is not None:
+            # SGLang's names; the first prompt token's log-probability is None
+            meta["input_token_logprobs"] = [[t.logprob, t.token_id, t.token] for t in c.prompt_logprobs]
+            meta["input_top_logprobs"] = [
+                None if t.logprob is None else [[x.logprob, x.token_id, x.token] for x in t.top]
+                for t in c.prompt_logprobs
             ]
         out = {"text": c.text, "meta_info": meta}
         if self.batch:
@@ -295,6 +484,8 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
         "no_chat_template",
     )
     param = fmt.prompt_param if reply.error_code in prompt_codes else None
+    if reply.error_code == "invalid_logit_bias":  # found by the request check, which knows the vocabulary
+        param = fmt.sampling_prefix + "logit_bias"
     return APIError(reply.error or "the request failed", param, reply.error_code)
 
 
@@ -371,10 +562,10 @@ def create_app(
                     headers={"Cache-Control": "no-cache"},
                 )
             for i, reply in first:
-                choices[i].add(reply)
+                choices[i].add(fmt.view(reply))
             while any(c.finish_reason is None for c in choices):
                 i, reply = await group.get()
-                choices[i].add(reply)
+                choices[i].add(fmt.view(reply))
             failed = next((c for c in choices if c.finish_reason == "error"), None)
             if failed is not None:
                 code = "engine_unavailable" if client.failure else None
@@ -417,27 +608,80 @@ def create_app(
     async def version() -> dict[str, str]:
         return {"version": minisgl.__version__}
 
+    fingerprint = system_fingerprint(info.model_name, info.max_seq_len)
+
+    def within_context(max_tokens: int | None, param: str) -> None:
+        """max_tokens that no prompt leaves room for is a 400 (a smaller one is cut to what the prompt leaves)."""
+        if max_tokens is not None and max_tokens >= info.max_seq_len:
+            raise APIError(
+                f"{param}={max_tokens} is more than this model's context length leaves for output "
+                f"({info.max_seq_len} tokens, at least one of them the prompt); lower {param}",
+                param,
+                "context_length_exceeded",
+            )
+
+    def format_options(req: Any) -> dict[str, Any]:
+        return {
+            "fingerprint": fingerprint,
+            "continuous_usage": req.continuous_usage,
+            "return_token_ids": bool(req.return_token_ids),
+        }
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
+        req.check_fields()
         model = model_of(req.model)
         messages, n = req.chat(), req.num_choices
-        msgs = [TokenizeMsg(choice_params(req.sampling_params(), n), messages=messages)]
-        return await serve(request, msgs, ChatFormat(model, n, req.include_usage), bool(req.stream))
+        params = req.sampling_params()
+        if req.max_completion_tokens is not None:
+            within_context(req.max_completion_tokens, "max_completion_tokens")
+        else:
+            within_context(req.max_tokens, "max_tokens")
+        msg = TokenizeMsg(
+            choice_params(params, n),
+            messages=messages,
+            return_prompt=bool(req.return_token_ids),
+            **req.template_options,
+        )
+        fmt = ChatFormat(
+            model, n, req.include_usage, logprobs_asked=params.logprobs is not None, **format_options(req)
+        )
+        return await serve(request, [msg], fmt, bool(req.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
+        req.check_fields()
         model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
-        msgs = _prompt_msgs(prompts, choice_params(req.sampling_params(), n))
-        return await serve(request, msgs, CompletionFormat(model, n, req.include_usage), bool(req.stream))
+        within_context(req.max_tokens, "max_tokens")
+        params = req.sampling_params()
+        if req.echo and req.logprobs is not None:
+            # the prompt's tokens come with their log-probabilities, as OpenAI's echo gives them
+            params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
+        return_prompt = bool(req.echo or req.return_token_ids)
+        msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt)
+        fmt = CompletionFormat(
+            model,
+            n,
+            req.include_usage,
+            echo=bool(req.echo),
+            echo_only=req.echo_only,
+            show_prompt_logprobs=req.prompt_logprobs is not None,
+            logprobs_asked=req.logprobs is not None,
+            **format_options(req),
+        )
+        return await serve(request, msgs, fmt, bool(req.stream))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         req = parse_body(GenerateRequest, await request.body())
         prompts, n = req.prompts(), req.num_choices
-        msgs = _prompt_msgs(prompts, choice_params(req.to_sampling_params(), n))
+        params = req.to_sampling_params()
+        if req.sampling_params is not None:
+            within_context(req.sampling_params.max_new_tokens, "sampling_params.max_new_tokens")
+        msgs = _prompt_msgs(prompts, choice_params(params, n))
         fmt = GenerateFormat(
             info.model_name, n, len(prompts) * n > 1, "text" if req.text is not None else "input_ids"
         )
@@ -446,11 +690,15 @@ def create_app(
     return app
 
 
-def _prompt_msgs(prompts: list[Prompt], params: list[SamplingParams]) -> list[TokenizeMsg]:
+def _prompt_msgs(
+    prompts: list[Prompt], params: list[SamplingParams], return_prompt: bool = False
+) -> list[TokenizeMsg]:
     """One message a prompt, carrying its choices: the group's replies come every choice of the first
     prompt, then of the next."""
     return [
-        TokenizeMsg(params, text=p) if isinstance(p, str) else TokenizeMsg(params, input_ids=p)
+        TokenizeMsg(params, text=p, return_prompt=return_prompt)
+        if isinstance(p, str)
+        else TokenizeMsg(params, input_ids=p, return_prompt=return_prompt)
         for p in prompts
     ]
 
@@ -479,6 +727,7 @@ async def _stream(
         pending = list(first)
         while True:
             for i, reply in pending:
+                reply = fmt.view(reply)
                 for chunk in fmt.chunks(i, reply, choices[i]):
                     yield _sse(chunk)
                 choices[i].add(reply)

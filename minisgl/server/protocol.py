@@ -39,19 +39,35 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a field this server does not know is refused (OpenAI's "Unrecognized request argument"), never dropped
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk
+
+
+# Fields of OpenAI's API that change nothing this server computes, accepted so that clients which always
+# send them work; any value of theirs is answered as if it were absent. (A field with a value that would
+# change an answer, e.g. store: true, is refused by _refuse_fields.)
+NO_OP_FIELDS = {
+    "user": "an end-user id for the provider's abuse monitoring; nothing to monitor here",
+    "safety_identifier": "the newer name of user",
+    "metadata": "tags of stored completions; nothing is stored (store: true is refused)",
+    "prompt_cache_key": "a routing hint for provider-side prompt caching; the prefix cache needs no hint",
+    "service_tier": "a billing tier; only auto and default, which mean this server as it is",
+    "store": "false (the default) only: this server keeps no completions",
+}
 
 
 # The one table between the wire and SamplingParams: a field's name in OpenAI bodies and in SGLang's
 # /generate sampling_params, where it differs. The request models below are built from SamplingParams'
 # fields, so a new sampling field reaches every endpoint (logprobs is asked differently by each API).
 _OPENAI_NAMES = {"max_tokens": "max_tokens"}
-_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
-_WIRE_TYPES: dict[str, Any] = {"stop": str | list[str]}
+_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
+# JSON object keys are strings: logit_bias's token ids arrive as "42"
+_WIRE_TYPES: dict[str, Any] = {"stop": str | list[str], "logit_bias": dict[str, float]}
 
 
 def _sampling_fields(names: dict[str, str]) -> dict[str, Any]:
@@ -81,12 +97,29 @@ def checked_params(values: dict[str, Any], names: dict[str, str], prefix: str = 
     return params
 
 
-def _wire_values(body: BaseModel, names: dict[str, str]) -> dict[str, Any]:
-    return {
+def _wire_values(body: BaseModel, names: dict[str, str], prefix: str = "") -> dict[str, Any]:
+    values = {
         f.name: getattr(body, names.get(f.name, f.name))
         for f in fields(SamplingParams)
         if f.name != "logprobs"
     }
+    if values["logit_bias"] is not None:
+        values["logit_bias"] = _token_keys(values["logit_bias"], prefix + "logit_bias")
+    return values
+
+
+def _token_keys(bias: dict[str, float], param: str) -> dict[int, float]:
+    """logit_bias with its keys ("42") as token ids."""
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(
+                f"{param} has the key {_short(key)}; its keys are token ids (integers >= 0)",
+                param,
+                "invalid_value",
+            )
+        out[int(key)] = value
+    return out
 
 
 def _num_choices(n: int | None, param: str) -> int:
@@ -117,7 +150,17 @@ class _OpenAIBase(_Strict):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # NO_OP_FIELDS
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    # vLLM's: a salt that keeps a request out of other requests' prefix cache; refused, there is no such cache
+    cache_salt: str | None = None
+    # vLLM's: the prompt's and the choice's token ids in the answer
+    return_token_ids: bool | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -133,6 +176,35 @@ class _OpenAIBase(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def check_fields(self) -> None:
+        """Refuse the fields this body sets to something the server does not do (an APIError naming it)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options is only allowed when stream is true", "stream_options", "invalid_value"
+            )
+        if self.store:
+            raise APIError(
+                "store: true is not supported; this server keeps no completions",
+                "store",
+                "unsupported_parameter",
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(
+                f"service_tier={_short(self.service_tier)} is not supported; use auto or default",
+                "service_tier",
+                "unsupported_parameter",
+            )
+        if self.cache_salt is not None:
+            raise APIError(
+                "cache_salt is not supported: the prefix cache is shared by every request of this server",
+                "cache_salt",
+                "unsupported_parameter",
+            )
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, names: dict[str, str] = _OPENAI_NAMES
@@ -221,6 +293,17 @@ _OpenAIRequest = create_model("_OpenAIRequest", __base__=_OpenAIBase, **_samplin
 class ChatMessage(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # the speaker's name: given to the chat template, which may write it
+    # fields of the assistant messages OpenAI answers with, which clients send back as they got them:
+    # null says nothing; a value is refused, as the chat template has no place for it
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+
+
+# vLLM's default: the prompt ends with the assistant's header, so the model writes a new message
+_ADD_GENERATION_PROMPT = True
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -229,6 +312,29 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    # vLLM's: how the conversation ends in the prompt (a new assistant message, or the last one continued)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    @property
+    def template_options(self) -> dict[str, bool]:
+        """How the chat template renders the conversation; both asked at once is an APIError (as in vLLM)."""
+        cont = bool(self.continue_final_message)
+        add = _ADD_GENERATION_PROMPT if self.add_generation_prompt is None else self.add_generation_prompt
+        if cont and self.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true; the prompt either "
+                "continues the last message or starts a new one",
+                "continue_final_message",
+                "invalid_value",
+            )
+        if cont and self.messages and self.messages[-1].role != "assistant":
+            raise APIError(
+                "continue_final_message needs the last message to be the assistant's, which it continues",
+                "continue_final_message",
+                "invalid_value",
+            )
+        return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
 
     def chat(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -244,7 +350,13 @@ class ChatCompletionRequest(_OpenAIRequest):
                     f"messages[{i}].role",
                     "invalid_value",
                 )
-        return [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {"role": m.role, "content": _text_content(m, i)}
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -292,11 +404,12 @@ class CompletionRequest(_OpenAIRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the answer is the prompt alone (an evaluation harness's log-likelihood)."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def prompts(self) -> list[Prompt]:
-        if self.echo:
-            raise APIError(
-                "echo is not supported; leave it out or set it to false", "echo", "unsupported_parameter"
-            )
         if self.suffix:
             raise APIError("suffix is not supported; leave it out", "suffix", "unsupported_parameter")
         if self.best_of is not None and self.best_of != self.num_choices:
@@ -312,7 +425,8 @@ class CompletionRequest(_OpenAIRequest):
                 "logprobs",
                 "invalid_value",
             )
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo alone runs one step, whose token the answer leaves out
+        return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
 
 
 # SGLang's names for the sampling parameters of /generate
@@ -345,7 +459,7 @@ class GenerateRequest(_Strict):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
-        values = _wire_values(sp, _SGLANG_NAMES)
+        values = _wire_values(sp, _SGLANG_NAMES, "sampling_params.")
         if values["max_tokens"] is None:
             values["max_tokens"] = 128  # SGLang's default
         values["logprobs"] = (self.top_logprobs_num or 0) if self.return_logprob else None
@@ -406,6 +520,9 @@ def _validation_error(e: ValidationError) -> APIError:
     if not first["loc"]:
         return APIError("the request body must be a JSON object", None, "invalid_type")
     param, member = _split(first["loc"])
+    if first["type"] == "extra_forbidden":
+        # OpenAI's words for a field it does not know
+        return APIError(f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
     if first["type"] == "missing":
         return APIError(f"'{param}' is required", param, "missing_required_parameter")
     if member is not None:

@@ -5,7 +5,9 @@ character (it decodes to U+FFFD until the next token completes it), and some tok
 or add a leading space depending on what comes before. So each step decodes a short window
 that starts one token back (the `prefix_offset`/`read_offset` pair, as in vLLM and TGI) and
 keeps the new text back while it ends in U+FFFD. Stop strings are cut out of the text, as
-OpenAI does; text that might be the start of one is held until it is known either way.
+OpenAI does; text that might be the start of one is held until it is known either way. Before
+`min_tokens` tokens, stop strings are not looked for (vLLM's rule) and the text goes out at once: it is
+never searched, so a stop string counts only when it starts after it.
 `finish()` returns whatever is still held, so no text is lost at the end.
 
 `step()` is the one place that turns the scheduler's token messages into a request's text and
@@ -33,9 +35,12 @@ class DetokenizeStep:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
+        self.min_tokens = min_tokens
         self.lazy = not streaming and not self.stop
         self.ids: list[int] = []
         self.prefix_offset = 0  # the window decoded each step starts here ...
@@ -44,6 +49,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of `text` returned so far
         self.searched = 0  # `text` before this has been searched for stop strings
         self.stopped = False  # a stop string was found: the output ends before it
+        self.matched: str | None = None  # that stop string
 
     def step(self, msg: DetokenizeMsg) -> DetokenizeStep:
         """Take one message of the scheduler for this request."""
@@ -86,25 +92,28 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        cut = self._find_stop()
-        if cut is not None:
+        found = self._find_stop()
+        if found is not None:
+            end, self.matched = found
             self.stopped = True
-            self.text = self.text[:cut]
-            end = cut
+            self.text = self.text[:end]
         else:
             self.searched = len(self.text)
-            end = len(self.text) if final else len(self.text) - self._partial_stop_len()
+            held = 0 if final or len(self.ids) < self.min_tokens else self._partial_stop_len()
+            end = len(self.text) - held
         out = self.text[self.sent : max(end, self.sent)]
         self.sent += len(out)
         return out
 
-    def _find_stop(self) -> int | None:
-        if not self.stop:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which one it is."""
+        if not self.stop or len(self.ids) < self.min_tokens:
             return None
         # a stop string that starts before `searched` would have been found already, unless it ends after it
-        start = max(0, self.searched - max(len(s) for s in self.stop) + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        # text already sent cannot be cut back (before min_tokens it is sent unsearched)
+        start = max(self.sent, self.searched - max(len(s) for s in self.stop) + 1)
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def _partial_stop_len(self) -> int:
         """Length of the longest end of `text` that a stop string starts with."""

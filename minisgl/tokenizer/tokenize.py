@@ -29,13 +29,20 @@ class TokenizeManager:
         """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
         prompt certainly over the context length, raises RequestError."""
         if msg.messages is not None:
-            return self.apply_chat_template(msg.messages)
+            return self.apply_chat_template(
+                msg.messages, msg.add_generation_prompt, msg.continue_final_message
+            )
         if msg.text is not None:
             self._refuse_if_far_too_long(msg.text)
             return list(self.tokenizer.encode(msg.text))
         return list(msg.input_ids or [])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -46,7 +53,7 @@ class TokenizeManager:
             # every message the template writes is at least one token
             raise prompt_too_long(len(messages) - 1, self.limits, at_least=True)
         try:
-            pieces = render_chat(self.tokenizer, messages)
+            pieces = render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message)
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
                 f"the chat template refused these messages: {e}", None, "invalid_messages"

@@ -49,6 +49,8 @@ class _Request:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # sent with the first reply, then dropped (TokenizeMsg.return_prompt)
+    prompt: tuple[list[int], str] | None = None
 
 
 @dataclass
@@ -156,7 +158,11 @@ class TokenizerWorker:
             except RequestError as e:
                 replies.append(UserReply(uid, "", True, "error", str(e), e.code))
                 continue
-            self.requests[uid] = _Request(IncrementalDetokenizer(self.tokenizer, params.stop), len(ids))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+            self.requests[uid] = _Request(detokenizer, len(ids))
+            if msg.return_prompt:
+                text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
+                self.requests[uid].prompt = (ids, text)
             out.append(UserMsg(uid, ids, params))
             TRACE.point(uid, "tokenize")
         return out
@@ -187,8 +193,27 @@ class TokenizerWorker:
         reply = UserReply(msg.uid, step.text, step.finished, step.finish_reason, msg.error, msg.error_code)
         if msg.next_token >= 0:
             req.completion_tokens += 1
-            if msg.logprob is not None and step.output_token is not None:
+            # a stop token is counted and reported like any other token, though it is not in the text
+            reply.token_ids = [msg.next_token]
+            if msg.logprob is not None:
                 reply.logprobs = [self._logprob(msg)]
+        if step.finish_reason == "stop":
+            reply.matched_stop = req.detokenizer.matched if req.detokenizer.stopped else msg.next_token
+            reply.matched_eos = msg.matched_eos and not req.detokenizer.stopped
+        if req.prompt is not None:
+            reply.prompt_token_ids, reply.prompt_text = req.prompt
+            req.prompt = None
+        if msg.prompt_logprobs is not None:
+            reply.prompt_logprobs = [
+                TokenLogprob(
+                    int(t),
+                    self._text_of(int(t)),
+                    None if lp is None else float(lp),
+                    [self._top(x) for x in top],
+                    None if rank is None else int(rank),
+                )
+                for t, lp, rank, top in msg.prompt_logprobs
+            ]
         if step.abort:
             self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
         if step.finished:
@@ -198,8 +223,12 @@ class TokenizerWorker:
         reply.completion_tokens = req.completion_tokens
         return reply
 
+    def _top(self, entry: Any) -> TokenLogprob:
+        token, logprob = entry
+        return TokenLogprob(int(token), self._text_of(int(token)), float(logprob))
+
     def _logprob(self, msg: DetokenizeMsg) -> TokenLogprob:
-        top = [TokenLogprob(int(t), self._text_of(int(t)), float(lp)) for t, lp in msg.top_logprobs or []]
+        top = [self._top(x) for x in msg.top_logprobs or []]
         return TokenLogprob(msg.next_token, self._text_of(msg.next_token), float(msg.logprob or 0.0), top)
 
     def _text_of(self, token: int) -> str:

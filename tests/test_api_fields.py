@@ -1,0 +1,485 @@
+"""Request fields of the OpenAI / vLLM / SGLang APIs beyond the basics, against a real server on a tiny model:
+each is applied (and shown where the APIs show it) or refused with a 400 naming it; nothing is dropped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+from test_server import SERVER_ARGS, Server
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "hello world"}]
+FORCED = 42  # a token a +100 bias forces
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model: Callable[[str], str]) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str) -> Iterator[Server]:
+    s = Server(["--model", model_dir, *SERVER_ARGS])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def name(server: Server) -> str:
+    return server.client().models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_dir: str) -> Callable[[list[int]], torch.Tensor]:
+    """log_softmax of transformers' logits at every position of a sequence (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return server.request("POST", path, json.dumps(body).encode())
+
+
+def sse(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a stream, without the final [DONE]."""
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    data = conn.getresponse().read().decode()
+    conn.close()
+    events = [line.removeprefix("data: ") for line in data.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- never a silent ignore ------------------------------------------------------------------------
+REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
+    # case: (path, body, the param the error names)
+    "unknown-completions": ("/v1/completions", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
+    "unknown-chat": ("/v1/chat/completions", {"messages": CHAT, "best_of_luck": 1}, "best_of_luck"),
+    "unknown-message-field": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a", "mood": "x"}]},
+        "messages[0].mood",
+    ),
+    "a-refusal-sent-back": (
+        "/v1/chat/completions",
+        {"messages": [*CHAT, {"role": "assistant", "content": "no", "refusal": "I can't"}]},
+        "messages[1].refusal",
+    ),
+    "unknown-stream-option": (
+        "/v1/completions",
+        {"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "extra": 1}},
+        "stream_options.extra",
+    ),
+    "unknown-generate": ("/generate", {"text": "a", "lora_path": "x"}, "lora_path"),
+    "unknown-generate-sampling": (
+        "/generate",
+        {"text": "a", "sampling_params": {"foo": 1}},
+        "sampling_params.foo",
+    ),
+    "stream-options-without-stream": (
+        "/v1/completions",
+        {"prompt": "a", "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    "cache-salt": ("/v1/completions", {"prompt": "a", "cache_salt": "s"}, "cache_salt"),
+    "store-true": ("/v1/chat/completions", {"messages": CHAT, "store": True}, "store"),
+    "service-tier": ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
+    "both-template-flags": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
+        "continue_final_message",
+    ),
+    "continue-a-user-message": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False},
+        "continue_final_message",
+    ),
+    "logit-bias-key": ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    "logit-bias-range": ("/v1/completions", {"prompt": "a", "logit_bias": {"1": 100.5}}, "logit_bias"),
+    "logit-bias-vocab": ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias"),
+    "logit-bias-generate": (
+        "/generate",
+        {"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}},
+        "sampling_params.logit_bias",
+    ),
+    "min-tokens-over-max": (
+        "/v1/completions",
+        {"prompt": "a", "max_tokens": 2, "min_tokens": 3},
+        "min_tokens",
+    ),
+    "min-new-tokens": (
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}},
+        "sampling_params.min_new_tokens",
+    ),
+    "prompt-logprobs-range": ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+    "max-tokens-over-context": ("/v1/completions", {"prompt": "a", "max_tokens": 512}, "max_tokens"),
+    "max-completion-tokens-over-context": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": 100000},
+        "max_completion_tokens",
+    ),
+    "max-new-tokens-over-context": (
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": 513}},
+        "sampling_params.max_new_tokens",
+    ),
+    "max-tokens-0-without-echo": ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_field_not_applied_is_a_400_naming_it(server: Server, case: str) -> None:
+    path, body, param = REFUSED[case]
+    status, got = post(server, path, body)
+    assert status == 400, got
+    assert got["error"]["param"] == param, got
+    assert got["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unknown_field_gets_openais_words_through_the_openai_client(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        server.client().completions.create(model="x", prompt="a", extra_body={"frobnicate": True})
+    assert bad.value.status_code == 400
+    assert bad.value.body["message"] == "Unrecognized request argument supplied: frobnicate"
+
+
+def test_no_op_fields_of_openai_clients_change_nothing(server: Server, name: str) -> None:
+    client = server.client()
+    plain = client.chat.completions.create(model=name, messages=CHAT, max_tokens=6, temperature=0)
+    noted = client.chat.completions.create(
+        model=name,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        user="u-1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        extra_body={"safety_identifier": "s", "prompt_cache_key": "p"},
+    )
+    assert noted.choices[0].message.content == plain.choices[0].message.content
+    # an answer's message sent back as the client got it (its null fields included), and a speaker's name
+    history = [
+        {**CHAT[0], "name": "ada"},
+        # (tool_calls is the tools' to take)
+        plain.choices[0].message.model_dump(exclude={"tool_calls"}),
+        {"role": "user", "content": "and then?"},
+    ]
+    again = client.chat.completions.create(model=name, messages=history, max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- logit_bias and min_tokens --------------------------------------------------------------------
+def test_logit_bias_forces_a_token_on_every_endpoint(server: Server, name: str) -> None:
+    client = server.client()
+    bias = {str(FORCED): 100}
+    done = client.completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
+        logit_bias=bias,
+        extra_body={"return_token_ids": True},
+    )
+    assert done.choices[0].model_extra["token_ids"] == [FORCED] * 4
+    chat = client.chat.completions.create(
+        model=name,
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"return_token_ids": True},
+    )
+    assert chat.choices[0].model_extra["token_ids"] == [FORCED] * 4
+    status, gen = post(
+        server,
+        "/generate",
+        {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "logit_bias": bias}},
+    )
+    assert status == 200 and gen["meta_info"]["completion_tokens"] == 3
+    forced_text = client.completions.create(model=name, prompt=[FORCED] * 3, max_tokens=1, echo=True)
+    assert gen["text"] == forced_text.choices[0].text[: len(gen["text"])] and gen["text"]
+
+
+def test_min_tokens_delays_eos_and_the_stop_is_reported(server: Server, tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logit_bias": {str(eos): 100}}
+    _, at_once = post(server, "/v1/completions", {**body, "logprobs": 1})
+    choice = at_once["choices"][0]
+    # only the EOS token: no text, yet the logprobs asked for are there (one entry, the EOS)
+    assert choice["text"] == "" and choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+    # from the logits before the bias, as every logprob is
+    assert choice["logprobs"]["token_logprobs"][0] < 0
+    assert len(choice["logprobs"]["tokens"]) == at_once["usage"]["completion_tokens"] == 1
+    _, delayed = post(server, "/v1/completions", {**body, "min_tokens": 3, "return_token_ids": True})
+    ids = delayed["choices"][0]["token_ids"]
+    assert len(ids) == 4 and ids[-1] == eos and eos not in ids[:3]
+    assert delayed["choices"][0]["finish_reason"] == "stop"
+    _, gen = post(
+        server,
+        "/generate",
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 2, "logit_bias": {str(eos): 100}},
+        },
+    )
+    assert gen["meta_info"]["completion_tokens"] == 3 and gen["meta_info"]["matched_stop"] == eos
+
+
+# ---- logprobs, echo and prompt logprobs -------------------------------------------------------------
+def test_logprobs_0_gives_the_sampled_token_in_top_logprobs(server: Server, name: str) -> None:
+    got = server.client().completions.create(
+        model=name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == 4
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+@pytest.mark.parametrize("form", ["ids", "text"])
+def test_lm_eval_loglikelihood_requests_match_transformers(
+    server: Server,
+    tokenizer: Any,
+    hf_logprobs: Callable[[list[int]], torch.Tensor],
+    max_tokens: int,
+    form: str,
+) -> None:
+    context, continuation = "The capital of France", " is Paris."
+    ids = tokenizer.encode(context + continuation)
+    # lm-eval --model local-completions: a batch of prompts, echo, one top logprob, greedy
+    body = {
+        "prompt": [ids, ids[:-2]] if form == "ids" else [context + continuation, tokenizer.decode(ids[:-2])],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 1234,
+    }
+    status, got = post(server, "/v1/completions", body)
+    assert status == 200, got
+    for choice, prompt in zip(got["choices"], [ids, ids[:-2]]):
+        want = hf_logprobs(prompt)
+        lp = choice["logprobs"]
+        n = len(prompt)
+        assert len(lp["tokens"]) == n + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = [want[p - 1, prompt[p]].item() for p in range(1, n)]
+        assert lp["token_logprobs"][1:n] == pytest.approx(ref, abs=1e-4)
+        for p in range(1, n):  # each top entry holds the most likely token and the prompt's
+            top = lp["top_logprobs"][p]
+            assert max(top.values()) == pytest.approx(want[p - 1].max().item(), abs=1e-4)
+            assert lp["token_logprobs"][p] in top.values()
+        prompt_text = tokenizer.decode(prompt)
+        assert choice["text"].startswith(prompt_text)
+        if max_tokens == 0:
+            assert choice["text"] == prompt_text and choice["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 2 * max_tokens
+
+
+def test_echo_streams_the_prompt_first_and_equals_the_plain_answer(server: Server) -> None:
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    _, plain = post(server, "/v1/completions", body)
+    events = sse(server, "/v1/completions", {**body, "stream": True})
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    tokens = [
+        t
+        for e in events
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for t in e["choices"][0]["logprobs"]["tokens"]
+    ]
+    assert text == plain["choices"][0]["text"] and text.startswith(PROMPT)
+    assert tokens == plain["choices"][0]["logprobs"]["tokens"]
+
+
+def test_prompt_logprobs_in_vllms_shape_and_past_the_prefix_cache(
+    server: Server, name: str, tokenizer: Any, hf_logprobs: Callable[[list[int]], torch.Tensor]
+) -> None:
+    ids = tokenizer.encode(PROMPT + " Paris, and the capital of Italy is Rome.")
+    want = hf_logprobs(ids)
+    post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1})  # the prompt is in the prefix cache now
+    _, got = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
+    entries = got["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for p in range(1, len(ids)):
+        entry = entries[p]
+        mine = entry[str(ids[p])]
+        assert mine["logprob"] == pytest.approx(want[p - 1, ids[p]].item(), abs=1e-4)
+        assert mine["rank"] == int((want[p - 1] > want[p - 1, ids[p]]).sum()) + 1
+        best = want[p - 1].topk(2)
+        for rank, (value, token) in enumerate(zip(best.values.tolist(), best.indices.tolist()), 1):
+            assert entry[str(token)]["rank"] == rank or token == ids[p]
+            assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4)
+    assert (
+        "prompt_logprobs"
+        not in post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1})[1]["choices"][0]
+    )
+    chat = server.client().chat.completions.create(
+        model=name, messages=CHAT, max_tokens=1, extra_body={"prompt_logprobs": 0, "return_token_ids": True}
+    )
+    chat_entries, chat_ids = chat.model_extra["prompt_logprobs"], chat.model_extra["prompt_token_ids"]
+    assert len(chat_entries) == len(chat_ids) and chat_entries[0] is None
+    assert all(list(e) == [str(t)] for e, t in zip(chat_entries[1:], chat_ids[1:]))
+    _, gen = post(
+        server,
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "prompt_logprobs": 1}},
+    )
+    inputs = gen["meta_info"]["input_token_logprobs"]
+    assert inputs[0][0] is None and [x[1] for x in inputs] == ids
+    assert inputs[1][0] == pytest.approx(want[0, ids[1]].item(), abs=1e-4)
+
+
+# ---- what the answer shows --------------------------------------------------------------------------
+def test_return_token_ids_gives_the_prompt_and_the_output_ids(
+    server: Server, name: str, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    got = server.client().completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    choice = got.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 5
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == got.choices[0].text
+    events = sse(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    )
+    streamed = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert len(streamed) == 4 and events[0]["prompt_token_ids"][-1] == events[0]["prompt_token_ids"][-1]
+    assert "prompt_token_ids" in events[0]
+
+
+def test_stop_reason_and_matched_stop_name_what_ended_the_output(
+    server: Server, name: str, tokenizer: Any
+) -> None:
+    client = server.client()
+    full = client.completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
+    stop_string = text[2:4]
+    assert stop_string
+    by_string = client.completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        stop=[stop_string],
+        extra_body={"ignore_eos": True},
+    )
+    assert by_string.choices[0].model_extra["stop_reason"] == stop_string
+    by_id = client.completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [ids[1]]},
+    )
+    assert by_id.choices[0].model_extra["stop_reason"] == ids[1]
+    assert by_id.choices[0].finish_reason == "stop"
+    length = client.completions.create(
+        model=name, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert length.choices[0].model_extra["stop_reason"] is None
+    _, gen = post(
+        server,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "stop": [stop_string], "ignore_eos": True}},
+    )
+    assert gen["meta_info"]["matched_stop"] == stop_string
+
+
+def test_system_fingerprint_is_one_string_on_answers_and_chunks(server: Server, name: str) -> None:
+    client = server.client()
+    a = client.chat.completions.create(model=name, messages=CHAT, max_tokens=2)
+    b = client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+    chunks = list(client.completions.create(model=name, prompt=PROMPT, max_tokens=2, stream=True))
+    assert a.system_fingerprint and a.system_fingerprint == b.system_fingerprint
+    assert {c.system_fingerprint for c in chunks} == {a.system_fingerprint}
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(server: Server) -> None:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    events = sse(server, "/v1/completions", body)
+    with_choices = [e for e in events if e["choices"]]
+    assert with_choices and all(e["usage"] is not None for e in with_choices)
+    counts = [e["usage"]["completion_tokens"] for e in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_chat_template_flags_shape_the_prompt(server: Server, tokenizer: Any) -> None:
+    convo = [*CHAT, {"role": "assistant", "content": "The answer"}]
+
+    def prompt_ids(**flags: Any) -> list[int]:
+        status, got = post(
+            server,
+            "/v1/chat/completions",
+            {"messages": convo, "max_tokens": 1, "return_token_ids": True, **flags},
+        )
+        assert status == 200, got
+        return got["prompt_token_ids"]
+
+    new_turn = tokenizer.apply_chat_template(
+        convo, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    closed = tokenizer.apply_chat_template(
+        convo, add_generation_prompt=False, tokenize=True, return_dict=False
+    )
+    continued = tokenizer.apply_chat_template(
+        convo, continue_final_message=True, tokenize=True, return_dict=False
+    )
+    assert len({tuple(new_turn), tuple(closed), tuple(continued)}) == 3
+    assert prompt_ids() == list(new_turn)
+    assert prompt_ids(add_generation_prompt=False) == list(closed)
+    assert prompt_ids(continue_final_message=True, add_generation_prompt=False) == list(continued)
+    assert prompt_ids(continue_final_message=True) == list(continued)
+    assert tokenizer.decode(continued).endswith("The answer")
