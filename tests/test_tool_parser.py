@@ -147,6 +147,16 @@ def test_a_cut_call_or_invalid_arguments_leave_the_whole_text_as_content() -> No
     assert parse_tool_calls(cut, FORMATS["qwen"]).content == cut
     bad = '<tool_call>{"name": "f", "arguments": {"x": 1,}}</tool_call>'
     assert parse_tool_calls(bad, FORMATS["qwen"]).content == bad
+    # cut before the name is known, after whole calls: still no calls, the text as it is
+    one = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    for cut in (
+        one + '\n<tool_call>{"na',
+        one + "\n<tool_call>{",
+        one + '<tool_call>{"name": "g", "arguments": {',
+    ):
+        assert parse_tool_calls(cut, FORMATS["qwen"]).calls == []
+        assert parse_tool_calls(cut, FORMATS["qwen"]).content == cut
+    assert parse_tool_calls(bad, FORMATS["qwen"]).content == bad
 
 
 def test_max_calls_keeps_the_first_calls_only() -> None:

@@ -36,6 +36,15 @@ from minisgl.server.protocol import (
     choice_params,
     parse_body,
 )
+from minisgl.server.tools import (
+    ToolPlan,
+    answer_message,
+    chat_messages,
+    finish_reason,
+    plan_tools,
+    stream_delta,
+)
+from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
 @dataclass
@@ -126,14 +135,31 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl"
     object = "chat.completion.chunk"
 
+    def __init__(self, model: str, n: int, include_usage: bool, tools: ToolPlan | None = None) -> None:
+        super().__init__(model, n, include_usage)
+        self.tools = tools or ToolPlan()
+        self._parsers: dict[int, ToolCallParser] = {}
+
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         out = []
         if reply.completion_tokens > 0 and choice.completion_tokens == 0:
             out.append(self._choice(i, {"role": "assistant", "content": ""}))
-        if reply.text or reply.logprobs:
-            out.append(self._choice(i, {"content": reply.text}, reply.logprobs))
+        fmt, has_calls = self.tools.format, False
+        if fmt is None:
+            if reply.text or reply.logprobs:
+                out.append(self._choice(i, {"content": reply.text}, reply.logprobs))
+        else:
+            parser = self._parsers.setdefault(i, ToolCallParser(fmt, self.tools.max_calls))
+            deltas = [stream_delta(d) for d in parser.feed(reply.text)]
+            if reply.finished:
+                deltas += [stream_delta(d) for d in parser.finish()]
+            if reply.logprobs and not deltas:
+                deltas = [{}]  # the tokens' logprobs come although their text is held back
+            for k, delta in enumerate(deltas):
+                out.append(self._choice(i, delta, reply.logprobs if k == 0 else None))
+            has_calls = bool(parser.calls)
         if reply.finished:
-            out.append(self._choice(i, {}, finish_reason=reply.finish_reason))
+            out.append(self._choice(i, {}, finish_reason=finish_reason(reply.finish_reason, has_calls)))
         return out
 
     def _choice(
@@ -152,20 +178,23 @@ class ChatFormat(_Format):
         return self._envelope([entry])
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
+        entries = []
+        for i, c in enumerate(choices):
+            message, has_calls = answer_message(c.text, self.tools)
+            entries.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": _chat_logprobs(c.logprobs) if c.logprobs else None,
+                    "finish_reason": finish_reason(c.finish_reason, has_calls),
+                }
+            )
         return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": entries,
             "usage": _usage(choices, self.n),
         }
 
@@ -421,9 +450,13 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         model = model_of(req.model)
-        messages, n = req.chat(), req.num_choices
-        msgs = [TokenizeMsg(choice_params(req.sampling_params(), n), messages=messages)]
-        return await serve(request, msgs, ChatFormat(model, n, req.include_usage), bool(req.stream))
+        texts, n = req.chat(), req.num_choices
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, info.tools)
+        messages = tools.messages(chat_messages(texts, req.messages))
+        params = tools.constrain(req.sampling_params())
+        msgs = [TokenizeMsg(choice_params(params, n), messages=messages, tools=tools.template_tools)]
+        fmt = ChatFormat(model, n, req.include_usage, tools)
+        return await serve(request, msgs, fmt, bool(req.stream))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -221,6 +221,9 @@ _OpenAIRequest = create_model("_OpenAIRequest", __base__=_OpenAIBase, **_samplin
 class ChatMessage(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # an assistant's earlier calls and a tool's result (checked in server/tools.py)
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -228,15 +231,14 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # checked and applied by server/tools.py
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def chat(self) -> list[dict[str, str]]:
         if not self.messages:
             raise APIError("messages is empty; send at least one message", "messages", "empty_prompt")
-        if self.tools:
-            raise APIError(
-                "tools are not supported by this server; leave out 'tools'", "tools", "unsupported_parameter"
-            )
         for i, m in enumerate(self.messages):
             if m.role not in CHAT_ROLES:
                 raise APIError(

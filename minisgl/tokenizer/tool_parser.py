@@ -17,6 +17,7 @@ followed by no call object) is content, as written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -77,6 +78,28 @@ def default_parser(chat_template: str | None, model_type: str | None) -> str:
         if model_type == "llama":
             return "llama3"
     return "qwen"
+
+
+@dataclass(frozen=True)
+class ToolSupport:
+    """How the served model takes tools: the format its calls are read in, and whether its chat template
+    writes the tools into the prompt."""
+
+    parser: str = "qwen"
+    renders_tools: bool = False
+
+
+def detect_tool_support(tokenizer: Any, model_dir: str) -> ToolSupport:
+    model_type = None
+    config = os.path.join(model_dir, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            model_type = json.load(f).get("model_type")
+    template = getattr(tokenizer, "chat_template", None)
+    return ToolSupport(
+        default_parser(template if isinstance(template, str) else None, model_type),
+        template_renders_tools(tokenizer),
+    )
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -174,6 +197,7 @@ class ToolCallParser:
         )
         self._pending_ws = ""  # trailing content whitespace, held: it is dropped when a call follows
         self._strip_next = False  # whitespace right after a call is no content either
+        self.cut = False  # the output ended inside a call
 
     def feed(self, text: str) -> list[Delta]:
         self._buf += text
@@ -188,6 +212,7 @@ class ToolCallParser:
         out: list[Delta] = []
         while self._step(out, final=True):
             pass
+        self.cut = self.cut or self._state in ("open", "call", "args")
         if self._state != "text" and self._run_calls == 0:
             self._content(out, self._run + self._buf)
         elif self._state in ("text", "after"):
@@ -273,6 +298,7 @@ class ToolCallParser:
             return True
         end = json_end(self._buf, pos)
         if end is None:
+            self.cut = final
             if final or not _may_become_call(self._buf[pos:]):
                 return self._not_a_call(out, len(self._buf) if final else pos + 1)
             return False
@@ -374,12 +400,12 @@ class ParsedOutput:
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat, max_calls: int | None = None) -> ParsedOutput:
-    """A whole output's content and calls. An unfinished call (the output was cut) or arguments that are not
-    a JSON object leave the whole text as content: a client gets calls it can run, or none."""
+    """A whole output's content and calls. An output cut inside a call, or arguments that are not a JSON
+    object, leave the whole text as content: a client gets calls it can run, or none."""
     parser = ToolCallParser(fmt, max_calls)
     deltas = parser.feed(text) + parser.finish()
     calls = parser.calls[:max_calls] if max_calls is not None else parser.calls
-    if not all(c.complete and isinstance(_loads(c.arguments), dict) for c in calls):
+    if parser.cut or not all(c.complete and isinstance(_loads(c.arguments), dict) for c in parser.calls):
         return ParsedOutput(text or None)
     content = "".join(d for d in deltas if isinstance(d, str))
     return ParsedOutput(content or None, calls)
