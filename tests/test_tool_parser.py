@@ -85,6 +85,15 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, Any]]]] = [
         [("get_weather", WEATHER)],
     ),
     ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
+    # the marker is a special token the detokenizer leaves out: a list of calls opening the output is calls
+    (
+        "mistral",
+        ' [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    ("mistral", "[1, 2] and [3]", "[1, 2] and [3]", []),
+    ("mistral", '[{"a": 1}]', '[{"a": 1}]', []),
 ]
 
 

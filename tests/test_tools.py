@@ -322,3 +322,36 @@ def test_server_refuses_bad_tools_with_a_400_naming_the_field(
 def test_server_refusal_reaches_the_openai_client_as_bad_request(server: Any) -> None:
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         _create(server, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_the_tool_call_parser_flag_overrides_the_detected_format() -> None:
+    from minisgl.server.args import parse_args
+
+    assert parse_args(["--tool-call-parser", "llama3"]).tool_call_parser == "llama3"
+    assert parse_args([]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-call-parser", "hermes2"])
+
+
+@pytest.mark.slow
+def test_default_model_calls_tools_in_the_format_its_prompt_describes() -> None:
+    from minisgl.tokenizer.tool_parser import detect_tool_support
+
+    llm = LLM(max_running_req=8)
+    try:
+        support = detect_tool_support(llm.tokenizer, llm.engine.model_dir)
+        # SmolLM2's ChatML template renders no tools: they are described in the system prompt, <tool_call> format
+        assert support == ToolSupport("qwen", False)
+        texts = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            plan = plan_tools(TOOLS, choice, None, support)
+            prompt = llm.apply_chat_template(plan.messages(texts))
+            params = [
+                SamplingParams(max_tokens=200, temperature=t, seed=1, ebnf=plan.grammar) for t in (0, 0.8)
+            ]
+            for out in llm.generate([prompt] * 2, params):
+                assert out["finish_reason"] == "stop", out
+                got = parse_tool_calls(out["text"], FORMATS["qwen"])
+                _check_calls(got.calls, set(SCHEMAS) if choice == "required" else {"get_weather"})
+    finally:
+        llm.shutdown()

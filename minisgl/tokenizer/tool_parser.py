@@ -5,7 +5,7 @@ Three formats, named as vLLM's and SGLang's --tool-call-parser names them:
 - qwen: Qwen 2.5 / 3 and Hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block a call;
 - llama3: Llama 3.1+, `{"name": ..., "parameters": {...}}` (calls separated by ';'), at the start of the
   output or after `<|python_tag|>`; a JSON answer elsewhere in a text is no call;
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, the marker left out at the start.
 
 One parser serves streaming and whole answers (a whole answer is one feed), so both read a text the same
 way. Text that may still become a call marker is held back until the next text decides it. A call is sent
@@ -29,7 +29,9 @@ class ToolFormat:
     name: str
     markers: tuple[str, ...]  # text that opens a run of calls
     lead: str = ""  # what a model writes before a run of calls
-    at_start: bool = False  # a run of calls may also open with '{' at the start of the output (llama3)
+    # a run may also open without its marker at the start of the output: the marker is a special token
+    # (Llama's <|python_tag|>, Mistral's [TOOL_CALLS]) that the detokenizer leaves out of the text
+    at_start: bool = False
     arguments_key: str = "arguments"
     open: str = ""  # after the marker, before the first call (mistral's '[')
     close: str = ""  # after the last call
@@ -54,7 +56,7 @@ FORMATS = {
         "llama3", ("<|python_tag|>",), at_start=True, arguments_key="parameters", separator="; "
     ),
     "mistral": ToolFormat(
-        "mistral", ("[TOOL_CALLS]",), lead="[TOOL_CALLS]", open="[", close="]", separator=", "
+        "mistral", ("[TOOL_CALLS]",), at_start=True, lead="[TOOL_CALLS]", open="[", close="]", separator=", "
     ),
 }
 
@@ -244,9 +246,10 @@ class ToolCallParser:
             stripped = self._buf.lstrip()
             if not stripped:
                 return False
-            if stripped.startswith("{"):
+            marker = any(m.startswith(stripped[: len(m)]) for m in fmt.markers)
+            if stripped.startswith(fmt.open or "{") and not marker:
                 self._buf = stripped
-                self._open_run("", "call")
+                self._open_run("", "open" if fmt.open else "call")
                 return True
         hits = [(i, m) for m in fmt.markers if (i := self._buf.find(m)) >= 0]
         if hits:
