@@ -150,27 +150,43 @@ def call_id() -> str:
 _NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(arguments|parameters)"\s*:\s*')
 
 
+class _JsonScanner:
+    """Finds where the JSON object or array opening at `start` ends, reading only text it has not read yet:
+    arguments that stream in many pieces are read once, not once a piece."""
+
+    def __init__(self, start: int) -> None:
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.found: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """The index just after the value in `text` (which only grows), None while it is incomplete."""
+        if self.found is not None:
+            return self.found
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.found = i + 1
+                    return self.found
+        self.pos = len(text)
+        return None
+
+
 def json_end(text: str, start: int) -> int | None:
     """The index just after the JSON object or array opening at text[start], None while it is incomplete."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return _JsonScanner(start).end(text)
 
 
 def _held_prefix(text: str, markers: tuple[str, ...]) -> int:
@@ -296,6 +312,7 @@ class ToolCallParser:
         if head is not None and self._buf[head.end() : head.end() + 1] == "{":
             self._consume(pos)
             self._args_at = head.end() - pos
+            self._args = _JsonScanner(self._args_at)
             self._start(out, ToolCall(call_id(), json.loads(head.group(1))))
             self._state = "args"
             return True
@@ -326,7 +343,7 @@ class ToolCallParser:
 
     def _in_args(self, out: list[Delta]) -> bool:
         call = self.calls[-1]
-        end = json_end(self._buf, self._args_at)
+        end = self._args.end(self._buf)
         piece = self._buf[self._args_at + len(call.arguments) : len(self._buf) if end is None else end]
         if piece:
             call.arguments += piece
