@@ -257,6 +257,35 @@ def test_server_streamed_calls_reassemble_to_the_whole_answer(server: Any) -> No
     assert len(first) > 2  # the arguments came in pieces
 
 
+def test_server_auto_reads_calls_from_the_text_and_none_leaves_the_text(server: Any) -> None:
+    from minisgl.constrained.grammar import escape_regex
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    # the regex makes the random model write text, then two calls, as a trained one would
+    regex = escape_regex("Let me look. " + call + "\n" + call.replace("UTC", "CET"))
+    answer = _create(server, extra_body={"regex": regex}).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me look."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls]
+    assert got == [("get_time", {"zone": "UTC"}), ("get_time", {"zone": "CET"})]
+    one = _create(server, extra_body={"regex": regex}, parallel_tool_calls=False).choices[0]
+    assert [c.function.arguments for c in one.message.tool_calls] == ['{"zone": "UTC"}']
+    # streamed: the text first, then each call
+    stream = _create(server, extra_body={"regex": regex}, stream=True)
+    content, calls, reason = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            calls.setdefault(c.index, [c.function.name, ""])[1] += c.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert content == "Let me look." and reason == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls.values()] == got
+    # none: no parsing, the text as written
+    text = _create(server, extra_body={"regex": regex}, tool_choice="none").choices[0]
+    assert text.message.tool_calls is None and text.finish_reason == "stop"
+    assert text.message.content == "Let me look. " + call + "\n" + call.replace("UTC", "CET")
+
+
 def test_server_renders_a_conversation_with_calls_and_results(server: Any) -> None:
     answer = _create(server, messages=HISTORY, tool_choice="none", max_tokens=5)
     assert answer.choices[0].message.tool_calls is None

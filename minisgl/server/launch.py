@@ -51,9 +51,8 @@ class ModelInfo:
     model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
     limits: RequestLimits
     stats: SchedulerStats  # the idle scheduler's load: /metrics shows it from the first scrape
-    tools: ToolSupport = field(
-        default_factory=ToolSupport
-    )  # the tokenizer worker's finding, once it is ready
+    # how the model takes tools: the tokenizer worker's finding, once it is ready
+    tools: ToolSupport = field(default_factory=ToolSupport)
 
 
 class StartupError(CommandError):

@@ -33,16 +33,14 @@ _CHOICES = ("auto", "none", "required")
 class ToolPlan:
     """What a chat request's tools mean for its prompt, its sampling and its answer."""
 
-    format: ToolFormat | None = (
-        None  # the calls are parsed out of the output in this format; None: no parsing
-    )
+    # the calls are parsed out of the output in this format; None: no parsing
+    format: ToolFormat | None = None
     max_calls: int | None = None  # parallel_tool_calls false: one
     template_tools: list[dict[str, Any]] | None = None  # given to the chat template
     prompt: str | None = None  # the tools described for a template that renders none
     grammar: str | None = None  # EBNF forcing the output into calls (tool_choice required or named)
-    text_format: ToolFormat | None = (
-        None  # earlier calls are written as text in it (a template without tools)
-    )
+    # earlier calls are written as text in it (for a template that renders no tools)
+    text_format: ToolFormat | None = None
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the template gets it: with the tools' system prompt where the template renders

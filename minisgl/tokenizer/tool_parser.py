@@ -11,7 +11,8 @@ One parser serves streaming and whole answers (a whole answer is one feed), so b
 way. Text that may still become a call marker is held back until the next text decides it. A call is sent
 as soon as its name is known, its arguments in fragments as they arrive (OpenAI's stream shape); a call
 whose keys come in another order is sent whole once its object is complete. What is not a call (a marker
-followed by no call object) is content, as written.
+followed by no call object) is content, as written; whitespace next to a call is not content (it is held
+back until text other than a call follows it).
 """
 
 from __future__ import annotations
@@ -210,9 +211,8 @@ class ToolCallParser:
         self._state = "text"  # text, open (before mistral's '['), call (before an object), args, after
         self._run = ""  # the run's text consumed so far, from its marker: content if no call comes of it
         self._run_calls = 0  # calls the run has started
-        self._started = (
-            False  # content or a call has come out (llama3's bare '{' opens calls only at the start)
-        )
+        # content or a call has come out (a run without its marker opens only at the start)
+        self._started = False
         self._pending_ws = ""  # trailing content whitespace, held: it is dropped when a call follows
         self._strip_next = False  # whitespace right after a call is no content either
         self.cut = False  # the output ended inside a call
