@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from minisgl.constrained.grammar import check_grammar, repeated_json_ebnf
@@ -203,17 +204,21 @@ def _calls_grammar(
             }
         )
     call = cases[0] if len(cases) == 1 else {"anyOf": cases}
+    return _grammar_of(fmt.name, json.dumps(call), max_calls)
+
+
+@lru_cache(maxsize=256)
+def _grammar_of(format_name: str, call: str, max_calls: int | None) -> str:
+    # cached: an agent sends the same tools with every turn, and building the grammar takes milliseconds
+    fmt = FORMATS[format_name]
     if fmt.open:  # the calls are one JSON array (mistral)
-        array = {
-            "type": "array",
-            "items": call,
-            "minItems": 1,
-            **({"maxItems": max_calls} if max_calls else {}),
-        }
+        array = {"type": "array", "items": json.loads(call), "minItems": 1}
+        if max_calls:
+            array["maxItems"] = max_calls
         return repeated_json_ebnf(json.dumps(array), before=fmt.lead)
     separator = None if max_calls == 1 else fmt.separator
     return repeated_json_ebnf(
-        json.dumps(call), before=fmt.lead + fmt.call_prefix, after=fmt.call_suffix, separator=separator
+        call, before=fmt.lead + fmt.call_prefix, after=fmt.call_suffix, separator=separator
     )
 
 
