@@ -12,7 +12,9 @@ way. Text that may still become a call marker is held back until the next text d
 as soon as its name is known, its arguments in fragments as they arrive (OpenAI's stream shape); a call
 whose keys come in another order is sent whole once its object is complete. What is not a call (a marker
 followed by no call object) is content, as written; whitespace next to a call is not content (it is held
-back until text other than a call follows it).
+back until text other than a call follows it). A stream cannot take back a call it has begun: an output
+cut inside one ends the stream with that call unfinished (finish_reason "length"), where the whole answer
+gives the text as content (parse_tool_calls).
 """
 
 from __future__ import annotations
