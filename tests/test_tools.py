@@ -15,7 +15,7 @@ from test_structured import conforms
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.check import RequestLimits
-from minisgl.server.protocol import APIError
+from minisgl.server.protocol import APIError, ChatMessage
 from minisgl.server.tools import chat_messages, plan_tools
 from minisgl.tokenizer.tokenize import TokenizeManager
 from minisgl.tokenizer.tool_parser import (
@@ -132,6 +132,13 @@ def test_a_named_function_is_the_only_one_called(tiny_llm: LLM) -> None:
 
 
 # ---- the prompt: tools through the template, or described where it renders none ----------------------
+def _history(plan: Any) -> list[dict[str, Any]]:
+    """HISTORY as the chat endpoint hands it to the tokenizer under `plan`."""
+    texts = [{"role": m["role"], "content": m["content"] or ""} for m in HISTORY]
+    raw = [ChatMessage(**m) for m in HISTORY]
+    return plan.messages(chat_messages(texts, raw))
+
+
 def _manager(tiny_model: Callable[[str], str], template: str | None = None) -> TokenizeManager:
     tok = load_tokenizer(tiny_model("llama"))
     if template is not None:
@@ -144,13 +151,7 @@ def _manager(tiny_model: Callable[[str], str], template: str | None = None) -> T
 def _prompt(manager: TokenizeManager, tool_choice: Any = "auto") -> str:
     support = ToolSupport("qwen", template_renders_tools(manager.tokenizer))
     plan = plan_tools(TOOLS, tool_choice, None, support)
-    texts = [{"role": m["role"], "content": m["content"] or ""} for m in HISTORY]
-
-    class Raw:
-        def __init__(self, m: dict[str, Any]) -> None:
-            self.tool_calls, self.tool_call_id = m.get("tool_calls"), m.get("tool_call_id")
-
-    messages = plan.messages(chat_messages(texts, [Raw(m) for m in HISTORY]))
+    messages = _history(plan)
     return manager.tokenizer.decode(manager.apply_chat_template(messages, plan.template_tools))
 
 
@@ -163,6 +164,18 @@ def test_a_template_with_tools_renders_them_and_the_earlier_calls(tiny_model: Ca
     # tool_choice none: the tools stay out of the prompt, the conversation's calls stay in
     text = _prompt(manager, "none")
     assert "Tools:" not in text and "<tool_call>" in text
+
+
+def test_tools_and_calls_give_exactly_the_ids_of_the_template(tiny_model: Callable[[str], str]) -> None:
+    from minisgl.utils.hf import chat_pieces_ids, render_chat
+
+    tok = load_tokenizer(tiny_model("llama"))
+    tok.chat_template = TOOLS_TEMPLATE
+    plan = plan_tools(TOOLS, "auto", None, ToolSupport("qwen", True))
+    messages = _history(plan)
+    want = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert chat_pieces_ids(tok, render_chat(tok, messages, TOOLS)) == want
 
 
 def test_a_template_without_tools_gets_them_in_a_system_prompt(tiny_model: Callable[[str], str]) -> None:
