@@ -101,7 +101,11 @@ def _checked_tools(tools: list[Any] | None) -> dict[str, tuple[int, dict[str, An
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise APIError(f"{where} must be an object {{'type': 'function', 'function': {{...}}}}", where)
+            raise APIError(
+                f"{where} must be an object {{'type': 'function', 'function': {{...}}}}",
+                where,
+                "invalid_type",
+            )
         _no_other_keys(tool, _TOOL_KEYS, where)
         if tool.get("type") != "function":
             raise APIError(
@@ -111,7 +115,9 @@ def _checked_tools(tools: list[Any] | None) -> dict[str, tuple[int, dict[str, An
             )
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise APIError(f"{where}.function must be an object with a 'name'", f"{where}.function")
+            raise APIError(
+                f"{where}.function must be an object with a 'name'", f"{where}.function", "invalid_type"
+            )
         _no_other_keys(fn, _FUNCTION_KEYS, f"{where}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -178,7 +184,9 @@ def _checked_choice(choice: Any, functions: dict[str, Any]) -> str:
             "invalid_value",
         )
     if not functions and name not in ("auto", "none"):
-        raise APIError("tool_choice needs tools; send 'tools' or leave tool_choice out", "tool_choice")
+        raise APIError(
+            "tool_choice needs tools; send 'tools' or leave tool_choice out", "tool_choice", "invalid_value"
+        )
     return name
 
 
@@ -254,13 +262,15 @@ def _checked_message(m: dict[str, Any], i: int, tool_calls: Any, tool_call_id: A
         return {**m, "tool_call_id": tool_call_id}
     if tool_call_id is not None:
         raise APIError(
-            f"messages[{i}].tool_call_id belongs to messages with role 'tool'", f"messages[{i}].tool_call_id"
+            f"messages[{i}].tool_call_id belongs to messages with role 'tool'",
+            f"messages[{i}].tool_call_id",
+            "invalid_value",
         )
     if tool_calls is None:
         return m
     where = f"messages[{i}].tool_calls"
     if m["role"] != "assistant":
-        raise APIError(f"{where}: only assistant messages carry tool calls", where)
+        raise APIError(f"{where}: only assistant messages carry tool calls", where, "invalid_value")
     calls = []
     for k, call in enumerate(tool_calls):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -268,6 +278,7 @@ def _checked_message(m: dict[str, Any], i: int, tool_calls: Any, tool_call_id: A
             raise APIError(
                 f"{where}[{k}] must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
                 f"{where}[{k}]",
+                "invalid_value",
             )
         args = fn.get("arguments", "{}")
         try:
@@ -278,6 +289,7 @@ def _checked_message(m: dict[str, Any], i: int, tool_calls: Any, tool_call_id: A
             raise APIError(
                 f"{where}[{k}].function.arguments must be a JSON object in a string",
                 f"{where}[{k}].function.arguments",
+                "invalid_value",
             )
         entry = {"type": "function", "function": {"name": fn["name"], "arguments": parsed}}
         if isinstance(call.get("id"), str):
