@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minisgl.tokenizer.tool_parser import (
     FORMATS,
@@ -192,3 +194,42 @@ def test_the_parser_follows_the_template_then_the_architecture() -> None:
     # a template that renders no tools (the default model's ChatML) gets the <tool_call> format
     assert default_parser("<|im_start|>{{ m['content'] }}", "llama") == "qwen"
     assert default_parser(None, None) == "qwen"
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fmt=st.sampled_from(sorted(FORMATS)),
+    # any text before the calls, but for one that could itself open calls (JSON at the start of the output)
+    text=st.text(max_size=20).filter(lambda t: t.strip() and t.strip()[0] not in "{["),
+    calls=st.lists(
+        st.tuples(
+            st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True),
+            st.dictionaries(st.text(max_size=8), _values, max_size=3),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_any_text_and_calls_read_back_whole_and_streamed(
+    fmt: str, text: str, calls: list[tuple[str, dict[str, Any]]], cuts: list[int]
+) -> None:
+    written = FORMATS[fmt].write(calls)
+    # a Llama call list opens the output, or follows <|python_tag|>
+    output = text.strip() + " " + ("<|python_tag|>" if fmt == "llama3" else "") + written
+    got = parse_tool_calls(output, FORMATS[fmt])
+    assert got.content == text.strip()
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == calls
+    parser = ToolCallParser(FORMATS[fmt])
+    bounds = sorted({min(c, len(output)) for c in cuts} | {0, len(output)})
+    deltas = [d for a, b in zip(bounds, bounds[1:]) for d in parser.feed(output[a:b])] + parser.finish()
+    content, streamed = _reassemble(deltas)
+    assert content == got.content
+    assert [(n, a) for _, n, a in streamed] == [(c.name, c.arguments) for c in got.calls]
