@@ -48,7 +48,9 @@ class ToolPlan:
         no tools, and earlier calls written as text for such a template."""
         if self.text_format is None:
             return messages
-        out = [_calls_as_text(m, self.text_format) for m in messages]
+        fmt = self.text_format
+        # a message of role and content alone (most) is left as it is
+        out = [_calls_as_text(m, fmt) if len(m) > 2 else m for m in messages]
         if self.prompt is not None:
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + self.prompt}
@@ -243,10 +245,13 @@ def _describe(tools: list[dict[str, Any]], fmt: ToolFormat) -> str:
 def chat_messages(texts: list[dict[str, str]], messages: list[Any]) -> list[dict[str, Any]]:
     """The conversation (role and text of each message, and the ChatMessages they came from) with the tool
     fields of its messages."""
-    return [
-        _checked_message(m, i, raw.tool_calls, raw.tool_call_id)
-        for i, (m, raw) in enumerate(zip(texts, messages))
-    ]
+    out = texts
+    for i, raw in enumerate(messages):
+        # most messages have no tool fields: a conversation of many messages is not copied for them
+        if raw.tool_calls is not None or raw.tool_call_id is not None or raw.role == "tool":
+            out = texts[:] if out is texts else out
+            out[i] = _checked_message(texts[i], i, raw.tool_calls, raw.tool_call_id)
+    return out
 
 
 def _checked_message(m: dict[str, Any], i: int, tool_calls: Any, tool_call_id: Any) -> dict[str, Any]:
