@@ -218,7 +218,9 @@ def test_a_role_outside_the_openai_roles_is_refused(server: Server) -> None:
     assert status == 400
     _assert_error(answer, "messages[0].role", "invalid_value")
     for role in ("system", "developer", "user", "assistant", "tool"):
-        messages = [{"role": role, "content": "hi"}, {"role": "user", "content": "hello"}]
+        # a tool's result names the call it answers, as OpenAI requires
+        first = {"role": role, "content": "hi", **({"tool_call_id": "call_1"} if role == "tool" else {})}
+        messages = [first, {"role": "user", "content": "hello"}]
         status, answer, _ = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
         assert status == 200, (role, answer)
 

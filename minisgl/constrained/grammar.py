@@ -180,3 +180,34 @@ def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     bits = torch.arange(32, device=mask.device, dtype=torch.int32)
     allowed = ((mask[:, :, None] >> bits) & 1).view(mask.shape[0], -1)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # EBNF string literals escape as JSON's do (the texts here are ASCII)
+
+
+def repeated_json_ebnf(
+    schema: str,
+    before: str = "",
+    after: str = "",
+    open: str = "",
+    close: str = "",
+    separator: str | None = None,
+) -> str:
+    """EBNF of `open item close` where an item is `before JSON after`, the JSON accepted by `schema`; with a
+    `separator`, one or more items separated by it. (Tool calls: a call's markers around its JSON object.)"""
+    xgr = _xgrammar()
+    parts = [xgr.Grammar.from_json_schema(_schema(schema), any_whitespace=False)]
+    if before:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {_literal(before)}"))
+    if after:
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {_literal(after)}"))
+    item = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+    lines = str(item).splitlines()
+    # the item's own root becomes a rule of the sequence's root (xgrammar prints root first)
+    head = next(i for i, line in enumerate(lines) if line.startswith("root ::= "))
+    body = lines[head].removeprefix("root ::= ")
+    seq = body if separator is None else f"{body} ({_literal(separator)} {body})*"
+    ends = [_literal(t) for t in (open,) if t], [_literal(t) for t in (close,) if t]
+    lines[head] = "root ::= (" + " ".join([*ends[0], seq, *ends[1]]) + ")"
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ class TokenizeMsg:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # a chat, rendered with the model's chat template
+    tools: list[dict[str, Any]] | None = None  # the chat's tools, given to the chat template
     uids: list[int] = field(default_factory=list)  # assigned by EngineClient.submit
     # how the chat template ends the prompt: a new assistant message, or the last message continued
     add_generation_prompt: bool = True

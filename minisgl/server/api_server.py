@@ -37,6 +37,15 @@ from minisgl.server.protocol import (
     choice_params,
     parse_body,
 )
+from minisgl.server.tools import (
+    ToolPlan,
+    answer_message,
+    chat_messages,
+    finish_reason,
+    plan_tools,
+    stream_delta,
+)
+from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
 @dataclass
@@ -210,6 +219,13 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl"
     object = "chat.completion.chunk"
 
+    def __init__(
+        self, model: str, n: int, include_usage: bool, tools: ToolPlan | None = None, **options: Any
+    ) -> None:
+        super().__init__(model, n, include_usage, **options)
+        self.tools = tools or ToolPlan()
+        self._parsers: dict[int, ToolCallParser] = {}
+
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         out = []
         if reply.completion_tokens > 0 and choice.completion_tokens == 0:
@@ -219,14 +235,33 @@ class ChatFormat(_Format):
             if reply.prompt_logprobs is not None:
                 first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
             out.append(first)
-        if reply.text or reply.logprobs or (self.return_token_ids and reply.token_ids):
-            entry = self._choice(i, reply, {"content": reply.text}, reply.logprobs)
+        with_ids = self.return_token_ids and bool(reply.token_ids)
+        fmt, has_calls = self.tools.format, False
+        if fmt is None:
+            deltas = [{"content": reply.text}] if reply.text or reply.logprobs or with_ids else []
+        else:
+            parser = self._parsers.setdefault(i, ToolCallParser(fmt, self.tools.max_calls))
+            deltas = [stream_delta(d) for d in parser.feed(reply.text)]
+            if reply.finished:
+                deltas += [stream_delta(d) for d in parser.finish()]
+            if (reply.logprobs or with_ids) and not deltas:
+                deltas = [{}]  # the tokens' logprobs and ids come although their text is held back
+            has_calls = bool(parser.calls)
+        for k, delta in enumerate(deltas):
+            # the step's logprobs and token ids go on its first chunk
+            entry = self._choice(i, reply, delta, reply.logprobs if k == 0 else None)
             if self.return_token_ids:
-                entry["choices"][0]["token_ids"] = reply.token_ids or []
+                entry["choices"][0]["token_ids"] = (reply.token_ids or []) if k == 0 else []
             out.append(entry)
         if reply.finished:
             out.append(
-                self._choice(i, reply, {}, finish_reason=reply.finish_reason, stop_reason=_stop_reason(reply))
+                self._choice(
+                    i,
+                    reply,
+                    {},
+                    finish_reason=finish_reason(reply.finish_reason, has_calls),
+                    stop_reason=_stop_reason(reply),
+                )
             )
         return out
 
@@ -252,12 +287,13 @@ class ChatFormat(_Format):
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         entries = []
         for i, c in enumerate(choices):
+            message, has_calls = answer_message(c.text, self.tools)
             entry = {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 # asked for and empty (a choice of no tokens) is an empty list, not null
                 "logprobs": _chat_logprobs(c.logprobs) if c.logprobs or self.logprobs_asked else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(c.finish_reason, has_calls),
                 "stop_reason": c.stop_reason,
             }
             if self.return_token_ids:
@@ -632,8 +668,10 @@ def create_app(
         req = parse_body(ChatCompletionRequest, await request.body())
         req.check_fields()
         model = model_of(req.model)
-        messages, n = req.chat(), req.num_choices
-        params = req.sampling_params()
+        texts, n = req.chat(), req.num_choices
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, info.tools)
+        messages = tools.messages(chat_messages(texts, req.messages))
+        params = tools.constrain(req.sampling_params())
         if req.max_completion_tokens is not None:
             within_context(req.max_completion_tokens, "max_completion_tokens")
         else:
@@ -641,11 +679,17 @@ def create_app(
         msg = TokenizeMsg(
             choice_params(params, n),
             messages=messages,
+            tools=tools.template_tools,
             return_prompt=bool(req.return_token_ids),
             **req.template_options,
         )
         fmt = ChatFormat(
-            model, n, req.include_usage, logprobs_asked=params.logprobs is not None, **format_options(req)
+            model,
+            n,
+            req.include_usage,
+            tools,
+            logprobs_asked=params.logprobs is not None,
+            **format_options(req),
         )
         return await serve(request, [msg], fmt, bool(req.stream))
 

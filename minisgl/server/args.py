@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of torch.distributed's rendezvous (node 0 listens)
     trace: str | None = None
+    tool_call_parser: str | None = None  # None: told by the model's chat template and architecture
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
     read_timeout: float = 30.0
@@ -202,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="torch.distributed rendezvous on node 0, the same on every node; needed with --nnodes > 1 "
         "(default: a free port on this machine)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(FORMATS),
+        help="the format the model writes tool calls in (default: told by its chat template and architecture)",
     )
     p.add_argument(
         "--trace",

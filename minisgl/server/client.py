@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, UserReply
 from minisgl.server.metrics import Metrics
+from minisgl.tokenizer.tool_parser import ToolSupport
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue
 from minisgl.utils.trace import TRACE
@@ -31,6 +32,7 @@ class ServeInfo:
     max_seq_len: int
     other_names: list[str] = field(default_factory=list)  # --served-model-name's names after the first
     stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
+    tools: ToolSupport = field(default_factory=ToolSupport)  # how the model takes tools
 
     @property
     def served_names(self) -> list[str]:

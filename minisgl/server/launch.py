@@ -20,7 +20,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -31,6 +31,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp
 from minisgl.server.args import ServerArgs
 from minisgl.server.client import EngineClient, ServeInfo
+from minisgl.tokenizer.tool_parser import ToolSupport
 from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXPECTED_ERRORS, CommandError
 from minisgl.utils.logger import init_logger
@@ -50,6 +51,8 @@ class ModelInfo:
     model_dir: str  # a Hugging Face folder (a GGUF file has been converted by now)
     limits: RequestLimits
     stats: SchedulerStats  # the idle scheduler's load: /metrics shows it from the first scrape
+    # how the model takes tools: the tokenizer worker's finding, once it is ready
+    tools: ToolSupport = field(default_factory=ToolSupport)
 
 
 class StartupError(CommandError):
@@ -96,6 +99,7 @@ def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
     try:
         import transformers  # noqa: F401  (imported while the scheduler loads: the slow part overlaps)
 
+        from minisgl.tokenizer.tool_parser import detect_tool_support
         from minisgl.tokenizer.worker import TokenizerWorker
         from minisgl.utils.hf import load_tokenizer
 
@@ -103,12 +107,13 @@ def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
         info: ModelInfo = conn.recv()
         tokenizer = load_tokenizer(info.model_dir)
         worker = TokenizerWorker(tokenizer, info.limits, addrs)
+        tools = detect_tool_support(tokenizer, info.model_dir)
     except (EOFError, SystemExit):
         exit_now(0)  # the parent gave up (or stopped us) before the scheduler was ready
     except Exception as e:
         conn.send(("failed", ChildFailure.of(e)))
         exit_now(1)
-    conn.send(("ready", None))
+    conn.send(("ready", tools))
     try:
         worker.run_forever()
     except SystemExit:  # SIGTERM from the parent
@@ -189,7 +194,7 @@ class ServerProcesses:
             self.start_followers()
         info = self._wait_ready(sched_conn, self.procs[0])
         tok_conn.send(info)
-        self._wait_ready(tok_conn, self.procs[1])
+        info.tools = self._wait_ready(tok_conn, self.procs[1])
         logger.info(f"scheduler (pid {self.procs[0].pid}) and tokenizer (pid {self.procs[1].pid}) are ready")
         return info
 
@@ -331,8 +336,18 @@ def serve(args: ServerArgs) -> int:
         # the server's own imports overlap the children's start-up
         model = procs.start(while_waiting=None if args.shell else _import_http_server)
         names = args.model_names
+        tools = (
+            model.tools
+            if args.tool_call_parser is None
+            else replace(model.tools, parser=args.tool_call_parser)
+        )
         info = ServeInfo(
-            names[0], args.model, model.limits.max_seq_len, other_names=names[1:], stats=model.stats
+            names[0],
+            args.model,
+            model.limits.max_seq_len,
+            other_names=names[1:],
+            stats=model.stats,
+            tools=tools,
         )
         if args.shell:
             from minisgl.server.shell import run_shell

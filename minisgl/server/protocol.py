@@ -300,6 +300,9 @@ class ChatMessage(_Strict):
     annotations: None = None
     audio: None = None
     function_call: None = None
+    # an assistant's earlier calls and a tool's result (checked in server/tools.py)
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 # vLLM's default: the prompt ends with the assistant's header, so the model writes a new message
@@ -311,7 +314,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # checked and applied by server/tools.py
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's: how the conversation ends in the prompt (a new assistant message, or the last one continued)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -339,10 +345,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     def chat(self) -> list[dict[str, str]]:
         if not self.messages:
             raise APIError("messages is empty; send at least one message", "messages", "empty_prompt")
-        if self.tools:
-            raise APIError(
-                "tools are not supported by this server; leave out 'tools'", "tools", "unsupported_parameter"
-            )
         for i, m in enumerate(self.messages):
             if m.role not in CHAT_ROLES:
                 raise APIError(

@@ -7,6 +7,7 @@ megabytes costs milliseconds, not seconds, and the requests behind it do not wai
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from minisgl.core import RequestError
@@ -24,13 +25,14 @@ class TokenizeManager:
     def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self._controls: list[str] | None = None
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
         """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
         prompt certainly over the context length, raises RequestError."""
         if msg.messages is not None:
             return self.apply_chat_template(
-                msg.messages, msg.add_generation_prompt, msg.continue_final_message
+                msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message
             )
         if msg.text is not None:
             self._refuse_if_far_too_long(msg.text)
@@ -40,6 +42,7 @@ class TokenizeManager:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[int]:
@@ -52,14 +55,44 @@ class TokenizeManager:
         if len(messages) >= self.limits.max_seq_len:
             # every message the template writes is at least one token
             raise prompt_too_long(len(messages) - 1, self.limits, at_least=True)
+        self._refuse_control_text(messages, tools)
         try:
-            pieces = render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message)
+            pieces = render_chat(
+                self.tokenizer,
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
                 f"the chat template refused these messages: {e}", None, "invalid_messages"
             ) from e
         self._refuse_if_far_too_long("".join(p for p, _ in pieces))
         return chat_pieces_ids(self.tokenizer, pieces)
+
+    def _refuse_control_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
+        """Tools and earlier calls are written by the template as its own text, where a control token spelled
+        in them would be read as one (contents are guarded by render_chat): such a request is refused."""
+        calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        if not tools and not calls:
+            return
+        text = json.dumps([tools, calls], ensure_ascii=False)
+        for token in self._control_texts():
+            if token in text:
+                raise RequestError(
+                    f"the tools or tool calls spell the control token {token!r}; remove it",
+                    None,
+                    "invalid_messages",
+                )
+
+    def _control_texts(self) -> list[str]:
+        if self._controls is None:
+            decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+            self._controls = [t.content for t in decoder.values() if t.special and t.content]
+        return self._controls
 
     def _refuse_if_far_too_long(self, text: str) -> None:
         """Raise the context-length error if a prefix of `text` alone has more tokens than the model takes.

@@ -96,6 +96,7 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[in
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> list[tuple[str, bool]]:
@@ -112,11 +113,13 @@ def render_chat(
         {**m, "content": f"<{nonce}:{i}>"} if isinstance(m.get("content"), str) else m
         for i, m in enumerate(messages)
     ]
+    extra = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(
         marked,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        **extra,
     )
     # re.split with one group alternates template text and the index of the message whose content goes there
     parts = re.split(f"<{nonce}:(\\d+)>", text)
