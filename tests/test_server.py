@@ -33,9 +33,17 @@ READY_TIMEOUT_S = 240  # a loaded 2-core machine needs a while to import torch t
 class Server:
     """`python -m minisgl` in a subprocess, on a port it picks; its log is kept for assertions."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, api_key: str = "none") -> None:
+        """`env`: variables added to this process's environment; `api_key`: what the clients send."""
         cmd = [sys.executable, "-m", "minisgl", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.api_key = api_key
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
@@ -63,14 +71,19 @@ class Server:
         return "".join(self.lines)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kwargs)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, **kwargs)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
 
-    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """`headers`: None sends the client's key; give them to send exactly those."""
+        if headers is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
         resp = conn.getresponse()
         data = resp.read().decode()
         conn.close()

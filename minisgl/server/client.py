@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, UserReply
+from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokensMsg, TokensReply, UserReply
 from minisgl.server.metrics import Metrics
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue
@@ -93,6 +93,8 @@ class EngineClient:
         self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
         self._next_uid = 0
+        self._lookups: dict[int, asyncio.Future[TokensReply]] = {}  # /tokenize and /detokenize calls
+        self._next_lookup = 0
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
         self.metrics = Metrics()
@@ -133,6 +135,19 @@ class EngineClient:
         self.metrics.in_flight += len(group.uids)
         return group
 
+    async def tokens(self, msg: TokensMsg) -> TokensReply:
+        """Ask the worker to tokenize or detokenize (`msg.uid` is assigned here) and wait for its answer."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
+        msg.uid, self._next_lookup = self._next_lookup, self._next_lookup + 1
+        future = asyncio.get_running_loop().create_future()
+        self._lookups[msg.uid] = future
+        try:
+            self._to_worker.put([msg])
+            return await future
+        finally:
+            del self._lookups[msg.uid]
+
     def abort(self, uids: list[int]) -> None:
         # the group stays registered: the abort reply still ends each sub-request and is counted
         if uids and self.failure is None:
@@ -141,6 +156,9 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """End every open request with an error: the workers are gone and no reply will come."""
         self.failure = reason
+        for future in self._lookups.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
         for uid in list(self._groups):
             self._dispatch(UserReply(uid, "", True, "error", reason, "engine_unavailable"))
 
@@ -149,6 +167,10 @@ class EngineClient:
             for msg in await self._from_worker.get():
                 if isinstance(msg, SchedulerStats):
                     self.metrics.scheduler = msg
+                elif isinstance(msg, TokensReply):
+                    future = self._lookups.get(msg.uid)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
                 else:
                     self._dispatch(msg)
 

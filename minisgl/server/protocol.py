@@ -406,6 +406,10 @@ def _validation_error(e: ValidationError) -> APIError:
     if not first["loc"]:
         return APIError("the request body must be a JSON object", None, "invalid_type")
     param, member = _split(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return APIError(
+            f"'{param}' is not supported by this endpoint; leave it out", param, "unsupported_parameter"
+        )
     if first["type"] == "missing":
         return APIError(f"'{param}' is required", param, "missing_required_parameter")
     if member is not None:

@@ -31,11 +31,17 @@ class TokenizeManager:
         if msg.messages is not None:
             return self.apply_chat_template(msg.messages)
         if msg.text is not None:
-            self._refuse_if_far_too_long(msg.text)
-            return list(self.tokenizer.encode(msg.text))
+            return self.encode(msg.text)
         return list(msg.input_ids or [])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain text's token ids; a text certainly over the context length raises RequestError."""
+        self._refuse_if_far_too_long(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -46,7 +52,7 @@ class TokenizeManager:
             # every message the template writes is at least one token
             raise prompt_too_long(len(messages) - 1, self.limits, at_least=True)
         try:
-            pieces = render_chat(self.tokenizer, messages)
+            pieces = render_chat(self.tokenizer, messages, add_generation_prompt)
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
                 f"the chat template refused these messages: {e}", None, "invalid_messages"

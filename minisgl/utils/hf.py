@@ -93,7 +93,9 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[in
     return chat_pieces_ids(tokenizer, render_chat(tokenizer, messages))
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[tuple[str, bool]]:
     """The conversation in the chat template as pieces of text, each marked whether it is a message's content.
 
     The template is rendered with a placeholder for each content, and the contents are put back in
@@ -106,7 +108,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[tuple[st
         {**m, "content": f"<{nonce}:{i}>"} if isinstance(m.get("content"), str) else m
         for i, m in enumerate(messages)
     ]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tokenize=False)
     # re.split with one group alternates template text and the index of the message whose content goes there
     parts = re.split(f"<{nonce}:(\\d+)>", text)
     return [(messages[int(p)]["content"], True) if k % 2 else (p, False) for k, p in enumerate(parts)]
