@@ -11,7 +11,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_server import SERVER_ARGS, Server
+from test_server import SERVER_ARGS, Server, _wait_metrics
 
 from minisgl.server.args import parse_args
 from minisgl.utils.hf import load_tokenizer
@@ -217,3 +217,75 @@ def test_bad_tokenize_requests_get_a_400_naming_the_field(
 def test_tokenize_for_another_model_is_a_404(server: Server) -> None:
     status, got = post(server, "/tokenize", {"prompt": "a", "model": "gpt-4"})
     assert status == 404 and got["error"]["code"] == "model_not_found"
+
+
+# ---- /metrics under SGLang's names ----------------------------------------------------------------
+def _histogram_is_consistent(m: dict[str, float], name: str) -> None:
+    buckets = sorted(
+        (float(k.split('le="')[1].split('"')[0]), v) for k, v in m.items() if k.startswith(f"{name}_bucket")
+    )
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts) and buckets[-1] == (float("inf"), m[f"{name}_count"])
+
+
+def test_metrics_count_requests_tokens_and_latencies_under_sglang_names(
+    server: Server, model_name: str
+) -> None:
+    before = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
+    prompt = "Once upon a time, there was a small engine that served many requests at once. " * 3
+    usages = []
+    for _ in range(3):
+        out = server.client().completions.create(
+            model=model_name, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        assert out.usage is not None
+        usages.append(out.usage)
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"sglang:{name}"] - before[f"sglang:{name}"]
+
+    assert grew("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+    assert grew("cached_tokens_total") == cached > 0  # the second and third found the first's prefix
+    assert grew("generation_tokens_total") == 15
+    assert grew("num_requests_total") == 3 and grew("num_aborted_requests_total") == 0
+    assert grew("time_to_first_token_seconds_count") == 3
+    assert grew("e2e_request_latency_seconds_count") == 3
+    assert grew("inter_token_latency_seconds_count") == 3 * 4  # every token after each first
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        _histogram_is_consistent(after, f"sglang:{name}")
+    assert after["sglang:cache_hit_rate"] == pytest.approx(
+        after["sglang:cached_tokens_total"] / after["sglang:prompt_tokens_total"]
+    )
+    assert after["sglang:gen_throughput"] > 0
+    assert after["sglang:max_total_num_tokens"] == after["minisgl_kv_pages_total"]  # one token a page
+
+
+def test_token_usage_counts_running_requests_pages_not_the_idle_cache(
+    server: Server, model_name: str
+) -> None:
+    idle = _wait_metrics(server, lambda m: m["sglang:num_running_reqs"] == 0)
+    # the prefix cache keeps the pages of finished requests, but none of them is in use
+    assert idle["minisgl_kv_pages_cached"] > 0
+    assert idle["sglang:token_usage"] == 0 and idle["sglang:num_used_tokens"] == 0
+    stream = server.client().completions.create(
+        model=model_name, prompt="hello", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    running = _wait_metrics(server, lambda m: m["sglang:num_running_reqs"] == 1)
+    stream.close()
+    assert running["sglang:num_running_reqs"] == 1 and running["sglang:num_queue_reqs"] == 0
+    assert running["sglang:num_used_tokens"] > 0
+    assert running["sglang:token_usage"] == pytest.approx(
+        running["sglang:num_used_tokens"] / running["sglang:max_total_num_tokens"]
+    )
+    done = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
+    assert done["sglang:num_aborted_requests_total"] == running["sglang:num_aborted_requests_total"] + 1
+
+
+def test_sglang_series_carry_the_model_name_label(server: Server, model_name: str) -> None:
+    _, text = server.request("GET", "/metrics")
+    series = [line for line in text.splitlines() if line.startswith("sglang:")]
+    assert series and all(f'model_name="{model_name}"' in line for line in series)
+    assert "# TYPE sglang:time_to_first_token_seconds histogram" in text

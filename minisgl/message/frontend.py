@@ -88,3 +88,5 @@ class SchedulerStats:
     kv_pages_free: int = 0
     kv_pages_cached: int = 0  # owned by the prefix cache
     kv_pages_held: int = 0  # private to running requests
+    kv_pages_evictable: int = 0  # cached pages no running request uses: free to take back
+    page_size: int = 1

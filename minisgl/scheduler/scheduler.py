@@ -303,6 +303,8 @@ class Scheduler(SchedulerIOMixin):
             kv_pages_free=len(cm.free_pages),
             kv_pages_cached=cm.prefix_cache.total_pages,
             kv_pages_held=cm.private_pages(),
+            kv_pages_evictable=cm.prefix_cache.evictable_pages,
+            page_size=cm.page_size,
         )
 
     def abort_all(self) -> None:

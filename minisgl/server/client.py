@@ -54,6 +54,8 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, UserReply]] = asyncio.Queue()
         self.unfinished = set(uids)
         self.first_token_at: dict[int, float] = {}  # sub-requests that have produced a token, and when
+        self.last_token_at: dict[int, float] = {}
+        self.tokens_seen: dict[int, int] = {}  # output tokens each sub-request has had so far
         self.arrival = time.perf_counter()
         self.closed = False
         self.prompts: dict[int, str] = {}  # the prompt and output text, kept only to be logged
@@ -86,6 +88,7 @@ class EngineClient:
         stats: SchedulerStats | None = None,
         log_requests: bool = False,
         log_text: bool = False,
+        model_name: str = "",
     ) -> None:
         self.log_requests = log_requests
         self.log_text = log_requests and log_text
@@ -97,7 +100,7 @@ class EngineClient:
         self._next_lookup = 0
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         if stats is not None:  # until the scheduler's first report arrives
             self.metrics.scheduler = stats
 
@@ -180,18 +183,27 @@ class EngineClient:
             return
         now = time.perf_counter()
         m = self.metrics
-        if reply.uid not in group.first_token_at and reply.completion_tokens > 0:
-            group.first_token_at[reply.uid] = now
-            TRACE.point(reply.uid, "first reply")
-            m.ttft.observe(now - group.arrival)
-            m.prompt_tokens += reply.prompt_tokens
-            m.cached_tokens += reply.cached_tokens
+        new_tokens = reply.completion_tokens - group.tokens_seen.get(reply.uid, 0)
+        if new_tokens > 0:
+            if reply.uid not in group.first_token_at:
+                group.first_token_at[reply.uid] = now
+                TRACE.point(reply.uid, "first reply")
+                m.ttft.observe(now - group.arrival)
+                m.prompt_tokens += reply.prompt_tokens
+                m.cached_tokens += reply.cached_tokens
+                # the first token's wait is the time to first token; each later one waited this long
+                if new_tokens > 1:
+                    m.itl.observe(0.0, new_tokens - 1)
+            else:
+                m.itl.observe((now - group.last_token_at[reply.uid]) / new_tokens, new_tokens)
+            group.tokens_seen[reply.uid] = reply.completion_tokens
+            group.last_token_at[reply.uid] = now
+            m.generated(now, new_tokens)
         if reply.finished:
             del self._groups[reply.uid]
             TRACE.point(reply.uid, "reply", reply.finish_reason)
             group.unfinished.discard(reply.uid)
             m.in_flight -= 1
-            m.generation_tokens += reply.completion_tokens
             m.finished[reply.finish_reason or "error"] += 1
             if reply.finish_reason in ("stop", "length"):
                 m.e2e.observe(now - group.arrival)

@@ -287,6 +287,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
             info.stats,
             log_requests=True,
             log_text=args.log_requests,
+            model_name=info.model_name,
         )
 
     host, port = sock.getsockname()[:2]
