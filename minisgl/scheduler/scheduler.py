@@ -335,6 +335,7 @@ class Scheduler(SchedulerIOMixin):
 
     def shutdown(self) -> None:
         self.close_io()
+        self.grammars.close()
         self.stop_other_ranks()
         self.engine.shutdown()
         TRACE.finish()
