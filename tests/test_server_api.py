@@ -174,6 +174,15 @@ def test_detokenize_gives_the_text_under_both_names(server: Server, tokenizer: A
     assert batch == {"prompt": texts, "text": texts}
 
 
+def test_detokenize_keeps_control_tokens_unless_asked_to_skip_them(server: Server, tokenizer: Any) -> None:
+    _, chat = post(server, "/tokenize", {"messages": CHAT})
+    _, kept = post(server, "/detokenize", {"tokens": chat["tokens"]})
+    assert kept["text"] == tokenizer.decode(chat["tokens"]) and "<|im_start|>" in kept["text"]
+    _, skipped = post(server, "/detokenize", {"tokens": chat["tokens"], "skip_special_tokens": True})
+    assert skipped["text"] == tokenizer.decode(chat["tokens"], skip_special_tokens=True)
+    assert "<|im_start|>" not in skipped["text"] and "hello world" in skipped["text"]
+
+
 BAD_TOKENS_REQUESTS = [
     ("/detokenize", {"tokens": [1, -1]}, "tokens", "invalid_token_ids"),
     ("/detokenize", {"tokens": [[1], [2, 4096]]}, "tokens", "invalid_token_ids"),
@@ -182,10 +191,11 @@ BAD_TOKENS_REQUESTS = [
     ("/detokenize", {"tokens": "hello"}, "tokens", "invalid_type"),
     ("/detokenize", {"tokens": [1.5]}, "tokens", "invalid_type"),
     ("/detokenize", {}, "tokens", "missing_required_parameter"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": 1}, "skip_special_tokens", "invalid_type"),
     (
         "/detokenize",
-        {"tokens": [1], "skip_special_tokens": True},
-        "skip_special_tokens",
+        {"tokens": [1], "spaces_between_special_tokens": True},
+        "spaces_between_special_tokens",
         "unsupported_parameter",
     ),
     ("/tokenize", {}, "prompt", "invalid_value"),

@@ -65,6 +65,7 @@ class TokensMsg:
     add_special_tokens: bool = True  # for `texts`: the tokenizer's BOS and the like
     add_generation_prompt: bool = True  # for `messages`: end with the assistant's turn opened
     with_pieces: bool = False  # also each token's string in the vocabulary
+    skip_special_tokens: bool = False  # for `token_ids`: leave control tokens out of the text
 
 
 @dataclass

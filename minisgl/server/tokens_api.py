@@ -3,8 +3,10 @@
 - tokenize: {model?, prompt: str | [str], add_special_tokens?, return_token_strs?} or vLLM's
   {model?, messages, add_generation_prompt?, return_token_strs?} -> {count, max_model_len, tokens}
   (and `token_strs`). A list of prompts (SGLang's batch form) answers lists: tokens[i], count[i].
-- detokenize: {model?, tokens: [int] | [[int]]} -> {prompt, text}: vLLM names the text `prompt`,
-  SGLang `text`; both are sent, so a client of either reads its own.
+- detokenize: {model?, tokens: [int] | [[int]], skip_special_tokens?} -> {prompt, text}: vLLM names
+  the text `prompt`, SGLang `text`; both are sent, so a client of either reads its own. Control
+  tokens are kept unless `skip_special_tokens` is true: vLLM keeps them (and has no such field);
+  SGLang's field defaults to true, so its clients that rely on that default see them.
 
 Unknown fields are refused (400 naming the field), not ignored.
 """
@@ -74,6 +76,7 @@ class TokenizeRequest(_Exact):
 class DetokenizeRequest(_Exact):
     model: str | None = None
     tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool | None = None
 
     def to_msg(self) -> TokensMsg:
         batch = bool(self.tokens) and isinstance(self.tokens[0], list)
@@ -85,7 +88,7 @@ class DetokenizeRequest(_Exact):
                 "tokens",
                 "invalid_token_ids",
             )
-        return TokensMsg(0, token_ids=lists)
+        return TokensMsg(0, token_ids=lists, skip_special_tokens=bool(self.skip_special_tokens))
 
     def response(self, reply: TokensReply) -> dict[str, Any]:
         batch = bool(self.tokens) and isinstance(self.tokens[0], list)

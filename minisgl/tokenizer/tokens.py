@@ -7,8 +7,6 @@ They run in the worker, not in the API server, so the server's event loop never 
 
 from __future__ import annotations
 
-from typing import Any
-
 from minisgl.core import RequestError
 from minisgl.message.frontend import TokensMsg, TokensReply
 from minisgl.tokenizer.tokenize import TokenizeManager
@@ -20,7 +18,8 @@ def answer_tokens(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
     tokenizer = manager.tokenizer
     try:
         if msg.token_ids is not None:
-            return TokensReply(msg.uid, texts=[_decode(tokenizer, ids, manager) for ids in msg.token_ids])
+            texts = [_decode(manager, ids, msg.skip_special_tokens) for ids in msg.token_ids]
+            return TokensReply(msg.uid, texts=texts)
         if msg.messages is not None:
             lists = [manager.apply_chat_template(msg.messages, msg.add_generation_prompt)]
         else:
@@ -31,7 +30,7 @@ def answer_tokens(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
     return TokensReply(msg.uid, token_ids=lists, pieces=pieces)
 
 
-def _decode(tokenizer: Any, ids: list[int], manager: TokenizeManager) -> str:
+def _decode(manager: TokenizeManager, ids: list[int], skip_special_tokens: bool) -> str:
     vocab = manager.limits.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
@@ -40,4 +39,4 @@ def _decode(tokenizer: Any, ids: list[int], manager: TokenizeManager) -> str:
             None,
             "invalid_token_ids",
         )
-    return tokenizer.decode(ids)
+    return manager.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
