@@ -299,3 +299,29 @@ def test_sglang_series_carry_the_model_name_label(server: Server, model_name: st
     series = [line for line in text.splitlines() if line.startswith("sglang:")]
     assert series and all(f'model_name="{model_name}"' in line for line in series)
     assert "# TYPE sglang:time_to_first_token_seconds histogram" in text
+
+
+def test_a_tokenize_call_waiting_when_the_workers_die_gets_engine_unavailable(tmp_path: Any) -> None:
+    import asyncio
+
+    from minisgl.message.frontend import TokensMsg
+    from minisgl.server.client import EngineClient, EngineUnavailable
+    from minisgl.utils.mp import ipc_addr
+
+    async def run() -> None:
+        # nobody answers on these sockets: the call waits until the client learns the workers are gone
+        client = EngineClient(ipc_addr(str(tmp_path), "worker"), ipc_addr(str(tmp_path), "api"))
+        try:
+            waiting = asyncio.ensure_future(client.tokens(TokensMsg(0, texts=["hello"])))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            client.fail_all("the tokenizer process exited")
+            with pytest.raises(EngineUnavailable, match="tokenizer process exited"):
+                await waiting
+            with pytest.raises(EngineUnavailable):  # and every later call at once
+                await client.tokens(TokensMsg(0, texts=["hello"]))
+            assert not client._lookups
+        finally:
+            client.close()
+
+    asyncio.run(run())
