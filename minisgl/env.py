@@ -72,6 +72,9 @@ class _Env:
             "auto",
             "MoE backend: auto (triton on CUDA, torch elsewhere), torch, triton",
         )
+        self.API_KEY = EnvVar(
+            "MINISGL_API_KEY", "", "the key every HTTP route but /health requires (--api-key; empty: none)"
+        )
         self.TRACE = EnvVar(
             "MINISGL_TRACE", "", "write a timeline trace (Perfetto / Chrome JSON) of the run to this path"
         )

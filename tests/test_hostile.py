@@ -67,7 +67,7 @@ def _assert_error(answer: Any, param: str | None, code: str | None = None) -> No
 def _assert_idle(server: Server) -> None:
     m = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
     assert m["minisgl_requests_in_flight"] == 0
-    assert m["minisgl_num_requests_running"] == 0 and m["minisgl_num_requests_waiting"] == 0
+    assert m["sglang:num_running_reqs"] == 0 and m["sglang:num_queue_reqs"] == 0
     assert m["minisgl_kv_pages_held"] == 0
 
 

@@ -33,9 +33,17 @@ READY_TIMEOUT_S = 240  # a loaded 2-core machine needs a while to import torch t
 class Server:
     """`python -m minisgl` in a subprocess, on a port it picks; its log is kept for assertions."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, api_key: str = "none") -> None:
+        """`env`: variables added to this process's environment; `api_key`: what the clients send."""
         cmd = [sys.executable, "-m", "minisgl", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.api_key = api_key
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
@@ -63,14 +71,19 @@ class Server:
         return "".join(self.lines)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kwargs)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, **kwargs)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, timeout=120)
 
-    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """`headers`: None sends the client's key; give them to send exactly those."""
+        if headers is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
         resp = conn.getresponse()
         data = resp.read().decode()
         conn.close()
@@ -80,11 +93,13 @@ class Server:
             return resp.status, data
 
     def metrics(self) -> dict[str, float]:
+        """Every series of /metrics by its name and labels, less the model_name label every sglang: one has."""
         _, text = self.request("GET", "/metrics")
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
+                name = re.sub(r',?model_name="[^"]*"', "", name).replace("{}", "")
                 out[name] = float(value)
         return out
 
@@ -430,8 +445,8 @@ def test_64_concurrent_streams_complete_and_leave_nothing_running(
             await client.close()
 
     assert asyncio.run(run()) == want
-    m = _wait_metrics(server, lambda m: m["minisgl_num_requests_running"] == 0)
-    assert m["minisgl_num_requests_running"] == 0 and m["minisgl_num_requests_waiting"] == 0
+    m = _wait_metrics(server, lambda m: m["sglang:num_running_reqs"] == 0)
+    assert m["sglang:num_running_reqs"] == 0 and m["sglang:num_queue_reqs"] == 0
     assert m["minisgl_kv_pages_held"] == 0 and m["minisgl_requests_in_flight"] == 0
     assert m["minisgl_free_request_slots"] == 80
 
@@ -442,15 +457,15 @@ def test_metrics_count_tokens_latencies_and_prefix_cache_hits(server: Server, mo
     for _ in range(2):
         server.client().completions.create(model=model_name, prompt=prompt, max_tokens=3)
     after = server.metrics()
-    assert after["minisgl_cached_prompt_tokens_total"] > before["minisgl_cached_prompt_tokens_total"]
-    assert after["minisgl_generation_tokens_total"] == before["minisgl_generation_tokens_total"] + 6
+    assert after["sglang:cached_tokens_total"] > before["sglang:cached_tokens_total"]
+    assert after["sglang:generation_tokens_total"] == before["sglang:generation_tokens_total"] + 6
     assert (
-        after["minisgl_time_to_first_token_seconds_count"]
-        == before["minisgl_time_to_first_token_seconds_count"] + 2
+        after["sglang:time_to_first_token_seconds_count"]
+        == before["sglang:time_to_first_token_seconds_count"] + 2
     )
     assert (
-        after["minisgl_e2e_request_latency_seconds_count"]
-        == before["minisgl_e2e_request_latency_seconds_count"] + 2
+        after["sglang:e2e_request_latency_seconds_count"]
+        == before["sglang:e2e_request_latency_seconds_count"] + 2
     )
     assert after["minisgl_kv_pages_total"] > 0
 
@@ -597,13 +612,13 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server: Server, mod
     while received.count(b"data: ") < 3:
         received += sock.recv(4096)
     running = server.metrics()
-    assert running["minisgl_num_requests_running"] == 1 and running["minisgl_kv_pages_held"] > 0
+    assert running["sglang:num_running_reqs"] == 1 and running["minisgl_kv_pages_held"] > 0
     sock.close()
     m = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
-    assert m["minisgl_num_requests_running"] == 0 and m["minisgl_kv_pages_held"] == 0
+    assert m["sglang:num_running_reqs"] == 0 and m["minisgl_kv_pages_held"] == 0
     abort = 'minisgl_requests_finished_total{finish_reason="abort"}'
     assert m[abort] == before[abort] + 1
-    assert m["minisgl_generation_tokens_total"] < before["minisgl_generation_tokens_total"] + 480
+    assert m["sglang:generation_tokens_total"] < before["sglang:generation_tokens_total"] + 480
 
 
 # ---- processes ----------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,11 +20,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.constrained.grammar import apply_token_mask, choice_regex
+from minisgl.constrained.grammar import MAX_GRAMMAR_CHARS, GrammarManager, apply_token_mask, choice_regex
 from minisgl.core import RequestError, SamplingParams, set_global_ctx
 from minisgl.llm import LLM
 
 xgr = pytest.importorskip("xgrammar")
+
+_BIG = {"type": "object", "properties": {f"p{i:05d}": {"type": "integer"} for i in range(1500)}}
+_BIG_TEXT = "a" * (MAX_GRAMMAR_CHARS + 1)
 
 PERSON = {
     "type": "object",
@@ -196,6 +201,51 @@ def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_t
         assert e.value.param == field and str(e.value).startswith(f"{field} does not compile"), str(e.value)
 
 
+def test_a_grammar_text_over_the_size_limit_is_refused_naming_the_field(tiny_llm: LLM) -> None:
+    assert len(json.dumps(_BIG)) > MAX_GRAMMAR_CHARS
+    for field, text in [
+        ("json_schema", json.dumps(_BIG)),
+        ("regex", _BIG_TEXT),
+        ("ebnf", f'root ::= "{_BIG_TEXT}"'),
+    ]:
+        with pytest.raises(RequestError) as e:
+            tiny_llm.generate("x", SamplingParams(**{field: text}))
+        assert e.value.param == field and f"at most {MAX_GRAMMAR_CHARS}" in str(e.value), str(e.value)
+
+
+def test_grammars_compile_on_a_thread_while_the_caller_goes_on(
+    tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = GrammarManager(tiny_llm.tokenizer, tiny_llm.engine.model_config.vocab_size, [2])
+    compile_grammar = manager._compile
+    release = threading.Event()
+
+    def slow_compile(kind: str, text: str) -> Any:
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(30)
+        return compile_grammar(kind, text)
+
+    monkeypatch.setattr(manager, "_compile", slow_compile)
+    req = SimpleNamespace(uid=1, can_decode=True)
+    try:
+        manager.add(1, SamplingParams(regex="[0-9]{3}"))  # returns while its compile is held
+        manager.add(2, SamplingParams(regex="[a-z]{3}"))
+        assert manager.active and not release.is_set()
+        manager.remove(2)  # a request aborted while it waits for its grammar leaves nothing
+        release.set()
+        mask = manager.fill_masks([req, SimpleNamespace(uid=3, can_decode=True)])
+        assert mask is not None
+        allowed = [t for t in range(manager.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+        texts = {tiny_llm.tokenizer.decode([t]) for t in allowed}
+        assert texts and all(re.fullmatch("[0-9]{1,3}", t) for t in texts), texts
+        assert bool((mask[1] == -1).all())  # an unconstrained row allows everything
+        manager.remove(1)
+        assert not manager.active
+    finally:
+        release.set()
+        manager.close()
+
+
 def test_without_xgrammar_a_constrained_request_is_refused_saying_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -345,6 +395,14 @@ def test_server_sglang_and_vllm_fields_constrain_the_output(server: Any) -> None
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
         ({"stream": True, "guided_json": '{"type": "nope"}'}, "guided_json"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _BIG}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": _BIG}, "guided_json"),
+        ({"regex": _BIG_TEXT}, "regex"),
+        ({"structured_outputs": {"regex": _BIG_TEXT}}, "structured_outputs.regex"),
+        ({"ebnf": f'root ::= "{_BIG_TEXT}"'}, "ebnf"),
     ],
 )
 def test_server_refuses_two_constraints_or_a_bad_grammar_with_a_400_naming_the_field(

@@ -183,7 +183,8 @@ def metrics(addr: tuple[str, int]) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("minisgl_")] = float(value)
+            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{}", "")
+            out[name.removeprefix("minisgl_").removeprefix("sglang:")] = float(value)
     return out
 
 
@@ -191,7 +192,7 @@ def wait_idle(addr: tuple[str, int], timeout: float = 120) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(addr)
-        busy = m["requests_in_flight"] or m["num_requests_running"] or m["num_requests_waiting"]
+        busy = m["requests_in_flight"] or m["num_running_reqs"] or m["num_queue_reqs"]
         if not busy or time.monotonic() > deadline:
             return m
         time.sleep(0.2)

@@ -69,6 +69,31 @@ class UserReply:
 
 
 @dataclass
+class TokensMsg:
+    """A /tokenize or /detokenize call: the worker answers with a TokensReply of the same uid and sends
+    nothing to the scheduler. Exactly one of `texts`, `messages` and `token_ids` is set."""
+
+    uid: int
+    texts: list[str] | None = None  # each tokenized alone
+    messages: list[dict[str, Any]] | None = None  # one chat, rendered with the model's chat template
+    token_ids: list[list[int]] | None = None  # each decoded alone
+    add_special_tokens: bool = True  # for `texts`: the tokenizer's BOS and the like
+    add_generation_prompt: bool = True  # for `messages`: end with the assistant's turn opened
+    with_pieces: bool = False  # also each token's string in the vocabulary
+    skip_special_tokens: bool = False  # for `token_ids`: leave control tokens out of the text
+
+
+@dataclass
+class TokensReply:
+    uid: int
+    token_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    pieces: list[list[str]] | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+@dataclass
 class SchedulerStats:
     """The scheduler's load after a step, for /metrics."""
 
@@ -79,3 +104,5 @@ class SchedulerStats:
     kv_pages_free: int = 0
     kv_pages_cached: int = 0  # owned by the prefix cache
     kv_pages_held: int = 0  # private to running requests
+    kv_pages_evictable: int = 0  # cached pages no running request uses: free to take back
+    page_size: int = 1

@@ -13,7 +13,15 @@ import msgpack
 
 from minisgl.core import SamplingParams
 from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
-from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokenLogprob, UserReply
+from minisgl.message.frontend import (
+    AbortMsg,
+    SchedulerStats,
+    TokenizeMsg,
+    TokenLogprob,
+    TokensMsg,
+    TokensReply,
+    UserReply,
+)
 from minisgl.message.tokenizer import DetokenizeMsg
 
 _TAG = "__msg__"
@@ -31,6 +39,8 @@ _CLASSES: dict[str, type] = {
         TokenLogprob,
         UserReply,
         SchedulerStats,
+        TokensMsg,
+        TokensReply,
     )
 }
 

@@ -319,6 +319,8 @@ class Scheduler(SchedulerIOMixin):
             kv_pages_free=len(cm.free_pages),
             kv_pages_cached=cm.prefix_cache.total_pages,
             kv_pages_held=cm.private_pages(),
+            kv_pages_evictable=cm.prefix_cache.evictable_pages,
+            page_size=cm.page_size,
         )
 
     def abort_all(self) -> None:
@@ -349,6 +351,7 @@ class Scheduler(SchedulerIOMixin):
 
     def shutdown(self) -> None:
         self.close_io()
+        self.grammars.close()
         self.stop_other_ranks()
         self.engine.shutdown()
         TRACE.finish()

@@ -1,5 +1,5 @@
 """The HTTP API (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and /v1/models, SGLang's
-/generate, and /health and /metrics.
+/generate, /tokenize and /detokenize (server/tokens_api.py), and /health, /version and /metrics.
 
 Every call becomes a RequestGroup of sub-requests (prompts x choices). The server waits for each
 sub-request's first reply before it answers, so a prompt the model cannot take is a 400 with an
@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minisgl
 from minisgl.core import SamplingParams
-from minisgl.message.frontend import TokenizeMsg, TokenLogprob, UserReply
+from minisgl.message.frontend import TokenizeMsg, TokenLogprob, TokensMsg, TokensReply, UserReply
+from minisgl.server.auth import ApiKeyGuard
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
 from minisgl.server.guard import HttpLimits, RequestGuard
 from minisgl.server.protocol import (
@@ -37,6 +38,7 @@ from minisgl.server.protocol import (
     choice_params,
     parse_body,
 )
+from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
 from minisgl.server.tools import (
     ToolPlan,
     answer_message,
@@ -536,8 +538,10 @@ def create_app(
     make_client: Callable[[], EngineClient],
     http: HttpLimits,
     on_start: Callable[[], None] | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The app; its EngineClient is made at start-up, inside the server's event loop, then `on_start` runs."""
+    """The app; its EngineClient is made at start-up, inside the server's event loop, then `on_start` runs.
+    With `api_key`, every route but /health needs it (server/auth.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -551,6 +555,9 @@ def create_app(
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     app.add_middleware(RequestGuard, limits=http)
+    if api_key is not None:
+        # added last, so it runs first: a request without the key is refused before its body is read
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     def client_of(request: Request) -> EngineClient:
         return request.app.state.client
@@ -662,6 +669,30 @@ def create_app(
             "continuous_usage": req.continuous_usage,
             "return_token_ids": bool(req.return_token_ids),
         }
+
+    async def tokens(request: Request, msg: TokensMsg, param: str) -> TokensReply:
+        try:
+            reply = await client_of(request).tokens(msg)
+        except EngineUnavailable as e:
+            raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
+        if reply.error is not None:
+            raise APIError(reply.error, param, reply.error_code)
+        return reply
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_body(TokenizeRequest, await request.body())
+        model_of(req.model)
+        reply = await tokens(request, req.to_msg(), "prompt" if req.prompt is not None else "messages")
+        return req.response(reply, info.max_seq_len)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_body(DetokenizeRequest, await request.body())
+        model_of(req.model)
+        return req.response(await tokens(request, req.to_msg(), "tokens"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

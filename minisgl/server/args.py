@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from minisgl.env import ENV
 from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser
 
@@ -45,6 +46,8 @@ class ServerArgs:
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
     read_timeout: float = 30.0
+    # None: no key; kept out of the repr so that a logged ServerArgs does not show it
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -227,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerArgs.read_timeout,
         help="seconds a client has to send a request's headers, and again its body (default: %(default)s)",
     )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=ENV.API_KEY.value or None,
+        help="require `Authorization: Bearer KEY` on every route but /health; also read from "
+        "MINISGL_API_KEY (default: no key)",
+    )
     return p
 
 
@@ -241,5 +251,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         parser.error(
             "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
         )
+    if ns.api_key is not None and not ns.api_key.strip():
+        parser.error("--api-key is empty; pass a key, or leave the option out to serve without one")
     names = {f.name for f in fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, UserReply
+from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokensMsg, TokensReply, UserReply
 from minisgl.server.metrics import Metrics
 from minisgl.tokenizer.tool_parser import ToolSupport
 from minisgl.utils.logger import init_logger
@@ -56,6 +56,8 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, UserReply]] = asyncio.Queue()
         self.unfinished = set(uids)
         self.first_token_at: dict[int, float] = {}  # sub-requests that have produced a token, and when
+        self.last_token_at: dict[int, float] = {}
+        self.tokens_seen: dict[int, int] = {}  # output tokens each sub-request has had so far
         self.arrival = time.perf_counter()
         self.closed = False
         self.prompts: dict[int, str] = {}  # the prompt and output text, kept only to be logged
@@ -88,6 +90,7 @@ class EngineClient:
         stats: SchedulerStats | None = None,
         log_requests: bool = False,
         log_text: bool = False,
+        model_name: str = "",
     ) -> None:
         self.log_requests = log_requests
         self.log_text = log_requests and log_text
@@ -95,9 +98,11 @@ class EngineClient:
         self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
         self._next_uid = 0
+        self._lookups: dict[int, asyncio.Future[TokensReply]] = {}  # /tokenize and /detokenize calls
+        self._next_lookup = 0
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         if stats is not None:  # until the scheduler's first report arrives
             self.metrics.scheduler = stats
 
@@ -135,6 +140,19 @@ class EngineClient:
         self.metrics.in_flight += len(group.uids)
         return group
 
+    async def tokens(self, msg: TokensMsg) -> TokensReply:
+        """Ask the worker to tokenize or detokenize (`msg.uid` is assigned here) and wait for its answer."""
+        if self.failure is not None:
+            raise EngineUnavailable(self.failure)
+        msg.uid, self._next_lookup = self._next_lookup, self._next_lookup + 1
+        future = asyncio.get_running_loop().create_future()
+        self._lookups[msg.uid] = future
+        try:
+            self._to_worker.put([msg])
+            return await future
+        finally:
+            del self._lookups[msg.uid]
+
     def abort(self, uids: list[int]) -> None:
         # the group stays registered: the abort reply still ends each sub-request and is counted
         if uids and self.failure is None:
@@ -143,6 +161,9 @@ class EngineClient:
     def fail_all(self, reason: str) -> None:
         """End every open request with an error: the workers are gone and no reply will come."""
         self.failure = reason
+        for future in self._lookups.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
         for uid in list(self._groups):
             self._dispatch(UserReply(uid, "", True, "error", reason, "engine_unavailable"))
 
@@ -151,6 +172,10 @@ class EngineClient:
             for msg in await self._from_worker.get():
                 if isinstance(msg, SchedulerStats):
                     self.metrics.scheduler = msg
+                elif isinstance(msg, TokensReply):
+                    future = self._lookups.get(msg.uid)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
                 else:
                     self._dispatch(msg)
 
@@ -160,18 +185,27 @@ class EngineClient:
             return
         now = time.perf_counter()
         m = self.metrics
-        if reply.uid not in group.first_token_at and reply.completion_tokens > 0:
-            group.first_token_at[reply.uid] = now
-            TRACE.point(reply.uid, "first reply")
-            m.ttft.observe(now - group.arrival)
-            m.prompt_tokens += reply.prompt_tokens
-            m.cached_tokens += reply.cached_tokens
+        new_tokens = reply.completion_tokens - group.tokens_seen.get(reply.uid, 0)
+        if new_tokens > 0:
+            if reply.uid not in group.first_token_at:
+                group.first_token_at[reply.uid] = now
+                TRACE.point(reply.uid, "first reply")
+                m.ttft.observe(now - group.arrival)
+                m.prompt_tokens += reply.prompt_tokens
+                m.cached_tokens += reply.cached_tokens
+                # the first token's wait is the time to first token; each later one waited this long
+                if new_tokens > 1:
+                    m.itl.observe(0.0, new_tokens - 1)
+            else:
+                m.itl.observe((now - group.last_token_at[reply.uid]) / new_tokens, new_tokens)
+            group.tokens_seen[reply.uid] = reply.completion_tokens
+            group.last_token_at[reply.uid] = now
+            m.generated(now, new_tokens)
         if reply.finished:
             del self._groups[reply.uid]
             TRACE.point(reply.uid, "reply", reply.finish_reason)
             group.unfinished.discard(reply.uid)
             m.in_flight -= 1
-            m.generation_tokens += reply.completion_tokens
             m.finished[reply.finish_reason or "error"] += 1
             if reply.finish_reason in ("stop", "length"):
                 m.e2e.observe(now - group.arrival)

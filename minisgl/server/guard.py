@@ -78,7 +78,7 @@ class RequestGuard:
                 error = APIError(
                     "the server failed to handle this request", None, "internal_error", 500, "server_error"
                 )
-                await _answer(send, error)
+                await send_error(send, error)
 
     async def _read_body(self, scope: Scope, receive: Any, send: Any) -> bytes | None:
         limit = self.limits.max_request_bytes
@@ -86,7 +86,7 @@ class RequestGuard:
         # a length of more digits than any limit is refused without reading it as a number
         if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
             size = int(declared) if len(declared) <= 18 else limit
-            await _answer(send, _too_large(size, limit, at_least=len(declared) > 18))
+            await send_error(send, _too_large(size, limit, at_least=len(declared) > 18))
             return None
         deadline = time.monotonic() + self.limits.read_timeout_s
         chunks, size = [], 0
@@ -100,14 +100,14 @@ class RequestGuard:
                     "request_timeout",
                     408,
                 )
-                await _answer(send, error)
+                await send_error(send, error)
                 return None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _answer(send, _too_large(size, limit, at_least=True))
+                await send_error(send, _too_large(size, limit, at_least=True))
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -124,7 +124,7 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     )
 
 
-async def _answer(send: Any, error: APIError) -> None:
+async def send_error(send: Any, error: APIError) -> None:
     """Send `error` as the whole response and close the connection (the rest of the body is not read)."""
     body = json.dumps(error.body()).encode()
     headers = [

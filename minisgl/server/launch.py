@@ -12,6 +12,7 @@ traceback too under MINISGL_LOG_LEVEL=debug, or when the error is not one a user
 
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing as mp
 import shutil
 import signal
@@ -262,6 +263,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (an --host value) can be reached only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve to any address
+
+
 def _import_http_server() -> None:
     import uvicorn  # noqa: F401
 
@@ -281,6 +292,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
             info.stats,
             log_requests=True,
             log_text=args.log_requests,
+            model_name=info.model_name,
         )
 
     host, port = sock.getsockname()[:2]
@@ -291,7 +303,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
         logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
 
     http = HttpLimits(args.max_request_bytes, args.read_timeout)
-    app = create_app(info, make_client, http, on_start)
+    app = create_app(info, make_client, http, on_start, api_key=args.api_key)
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -329,6 +341,11 @@ def serve(args: ServerArgs) -> int:
     try:
         if not args.shell and args.node_rank == 0:
             sock = _bind(args.host, args.port)
+            if args.api_key is None and not _is_loopback(args.host):
+                logger.warning(
+                    f"listening on {args.host}, beyond this machine, without an API key: anyone who can "
+                    "reach the port can use the model; pass --api-key (or set MINISGL_API_KEY)"
+                )
         procs = ServerProcesses(args)
         if args.node_rank > 0:  # this node only computes: its ranks follow node 0's rank 0
             procs.start_followers()

@@ -35,9 +35,13 @@ class TokenizeManager:
                 msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message
             )
         if msg.text is not None:
-            self._refuse_if_far_too_long(msg.text)
-            return list(self.tokenizer.encode(msg.text))
+            return self.encode(msg.text)
         return list(msg.input_ids or [])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A plain text's token ids; a text certainly over the context length raises RequestError."""
+        self._refuse_if_far_too_long(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(
         self,

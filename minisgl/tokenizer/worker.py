@@ -8,7 +8,7 @@ to the API server, so a busy step costs one hop, not one per request.
 No call may hold up the others: prompts wait in one queue per API call and are tokenized in turns,
 one prompt of each call at a time, in slices of a few milliseconds between polls of the sockets. A
 call of a thousand prompts and a call of one are then served side by side, and streams keep flowing
-meanwhile. An abort of a prompt still waiting drops it unread.
+meanwhile. A /tokenize or /detokenize call (TokensMsg) takes its turn the same way. An abort of a prompt still waiting drops it unread.
 """
 
 from __future__ import annotations
@@ -22,10 +22,19 @@ import zmq
 
 from minisgl.core import RequestError
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, UserMsg
-from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokenLogprob, UserReply
+from minisgl.message.frontend import (
+    AbortMsg,
+    SchedulerStats,
+    TokenizeMsg,
+    TokenLogprob,
+    TokensMsg,
+    TokensReply,
+    UserReply,
+)
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.tokenizer.tokenize import TokenizeManager
+from minisgl.tokenizer.tokens import answer_tokens
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.trace import TRACE
@@ -59,8 +68,9 @@ class TokenizerWorker:
     limits: RequestLimits
     addrs: WorkerAddrs
     requests: dict[int, _Request] = field(default_factory=dict)
-    # prompts not tokenized yet: a queue per API call, and the waiting message of each uid
-    pending: deque[deque[TokenizeMsg]] = field(default_factory=deque)
+    # prompts not tokenized yet: a queue per API call (a /tokenize call is one too), and the waiting
+    # message of each uid
+    pending: deque[deque[TokenizeMsg | TokensMsg]] = field(default_factory=deque)
     _pending_uids: dict[int, TokenizeMsg] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -95,11 +105,13 @@ class TokenizerWorker:
     # ---- API server -> scheduler -------------------------------------------------------------
     def _handle_api(self, batches: list[list[Any]]) -> None:
         to_scheduler: list[BaseBackendMsg] = []
-        replies: list[UserReply] = []
+        replies: list[UserReply | TokensReply] = []
         for batch in batches:  # one API call's messages
-            call: deque[TokenizeMsg] = deque()
+            call: deque[TokenizeMsg | TokensMsg] = deque()
             for msg in batch:
-                if isinstance(msg, TokenizeMsg):
+                if isinstance(msg, TokensMsg):
+                    call.append(msg)
+                elif isinstance(msg, TokenizeMsg):
                     call.append(msg)
                     self._pending_uids.update(dict.fromkeys(msg.uids, msg))
                 elif isinstance(msg, AbortMsg):
@@ -119,26 +131,29 @@ class TokenizerWorker:
     def _tokenize_pending(self) -> None:
         """Tokenize waiting prompts for one slice of time, one prompt of each call in turn."""
         to_scheduler: list[BaseBackendMsg] = []
-        replies: list[UserReply] = []
+        replies: list[UserReply | TokensReply] = []
         end = time.monotonic() + _SLICE_S
         while self.pending and time.monotonic() < end:
             call = self.pending.popleft()
             msg = call.popleft()
             if call:
                 self.pending.append(call)
+            if isinstance(msg, TokensMsg):
+                replies.append(answer_tokens(self.tokenize_manager, msg))
+                continue
             for uid in msg.uids:
                 del self._pending_uids[uid]
             if msg.uids:
                 to_scheduler += self._requests_of(msg, replies)
         self._send(to_scheduler, replies)
 
-    def _send(self, to_scheduler: list[BaseBackendMsg], replies: list[UserReply]) -> None:
+    def _send(self, to_scheduler: list[BaseBackendMsg], replies: list[UserReply | TokensReply]) -> None:
         if to_scheduler:
             self._to_scheduler.put(BatchBackendMsg(to_scheduler))
         if replies:
             self._to_api.put(replies)
 
-    def _requests_of(self, msg: TokenizeMsg, replies: list[UserReply]) -> list[BaseBackendMsg]:
+    def _requests_of(self, msg: TokenizeMsg, replies: list[UserReply | TokensReply]) -> list[BaseBackendMsg]:
         """The scheduler's requests for a prompt's choices; the prompt is tokenized once for all of them."""
         try:
             ids = self.tokenize_manager.tokenize(msg)
