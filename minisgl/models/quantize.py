@@ -26,9 +26,10 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-# rows up to which a packed weight beats oneDNN's bf16 matmul when both are kept: measured on
-# AVX512-BF16 without AMX (SmolLM2-135M shapes; docs/benchmarks.md), int4 and int8 alike
-PACKED_MAX_ROWS = 8
+# rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
+# on AVX512-BF16 without AMX, int4 takes 0.45x of bf16's time at 1 row, 0.45x at 4 and 1.3x at 8
+# (docs/benchmarks.md)
+PACKED_MAX_ROWS = 4
 
 
 @dataclass
