@@ -20,11 +20,15 @@ from gguf.quants import dequantize, quantize
 from test_gguf import hf_weights, write_tiny_gguf
 
 from minisgl.core import SamplingParams
+from minisgl.layers.linear import LinearReplicated
 from minisgl.layers.quant import Int4Weight, Int8Weight
 from minisgl.llm import LLM
 from minisgl.llm.cli import build_parser as generate_parser
 from minisgl.models.gguf_quant import int4_groups, quantize_q4_k
 from minisgl.server.args import parse_args as server_args
+from minisgl.utils import cpu_probe
+from minisgl.utils.cpu_probe import CpuChoice
+from minisgl.utils.torch_utils import resolve_dtype
 
 INT4_FILES = {
     T.Q4_0: lambda w: quantize(w, T.Q4_0),
@@ -217,3 +221,59 @@ def test_generate_runs_with_int8_from_the_command_line(tiny_model) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     assert gguf is not None
+
+
+def test_a_layer_with_both_copies_uses_the_packed_one_for_few_rows_only() -> None:
+    layer = LinearReplicated(512, 96)
+    layer.weight.data.copy_(torch.from_numpy(random_weight()))
+    float_weight = layer.weight.data.clone()
+    layer.quantize_(Int4Weight.from_float(float_weight), keep_float=True, max_rows=4)
+    gen = torch.Generator().manual_seed(2)
+    for rows, want_packed in ((1, True), (4, True), (5, False), (64, False)):
+        x = torch.randn(rows, 512, generator=gen)
+        y = layer(x)
+        packed, floats = layer.qweight.matmul(x), F.linear(x, float_weight)
+        assert torch.equal(y, packed if want_packed else floats), rows
+        assert not torch.equal(packed, floats)
+    layer.quantize_(Int8Weight.from_float(float_weight), keep_float=False, max_rows=0)
+    assert layer.weight is None
+    x = torch.randn(64, 512, generator=gen)
+    assert torch.equal(layer(x), layer.qweight.matmul(x))
+
+
+@pytest.mark.parametrize("packed_faster", [True, False])
+def test_auto_keeps_a_gguf_files_packing_beside_the_floats_where_it_measured_faster(
+    tmp_path, monkeypatch, packed_faster: bool
+) -> None:
+    weights = hf_weights("llama", tied=False, seed=4, hidden=256, ffn=256, head_dim=64)
+    quant = {n: T.Q4_1 for n in weights if n.endswith("_proj.weight")}
+    path = str(tmp_path / "q4_1.gguf")
+    write_tiny_gguf(path, "llama", weights, quant)
+    choice = CpuChoice(torch.bfloat16, packed_faster, "as the test says")
+    monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: choice)
+    llm = LLM(path, dtype="bfloat16", max_running_req=4)
+    try:
+        layer = llm.engine.model.model.layers[1].mlp.down_proj
+        if packed_faster:
+            assert isinstance(layer.qweight, Int4Weight) and layer.weight is not None
+            assert isinstance(llm.engine.model.lm_head.qweight, Int8Weight)
+        else:
+            assert layer.qweight is None and layer.weight is not None
+        out = llm.generate([[3, 4, 5], [6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert all(len(o["token_ids"]) == 4 for o in out)
+    finally:
+        llm.shutdown()
+
+
+def test_the_cpu_choice_is_timed_once_and_its_reason_logged(caplog) -> None:
+    cpu_probe.cpu_choice.cache_clear()
+    with caplog.at_level("INFO", logger="minisgl.utils.cpu_probe"):
+        first = cpu_probe.cpu_choice()
+        again = cpu_probe.cpu_choice()
+    assert first is again
+    lines = [r.getMessage() for r in caplog.records if r.name == "minisgl.utils.cpu_probe"]
+    assert len(lines) == 1
+    assert "dtype auto is" in lines[0] and "bf16" in lines[0] and "float32" in lines[0] and "int4" in lines[0]
+    assert first.dtype in (torch.bfloat16, torch.float32)
+    assert resolve_dtype(None, torch.device("cpu")) == first.dtype
+    assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
