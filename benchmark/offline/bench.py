@@ -251,7 +251,14 @@ def run_llamacpp(path: str, name: str, prompts: list[list[int]], new: int, repea
 
     if not name.startswith("prefill") and len(prompts) > 1:
         return None
-    model = Llama(path, n_ctx=max(len(p) for p in prompts) + new + 8, n_batch=512, verbose=False)
+    model = Llama(
+        path,
+        n_ctx=max(len(p) for p in prompts) + new + 8,
+        n_batch=512,
+        n_threads=torch.get_num_threads(),
+        n_threads_batch=torch.get_num_threads(),
+        verbose=False,
+    )
     times = []
     for _ in range(repeat):
         model.reset()

@@ -10,8 +10,9 @@ the file is requantized, the rest (the Q8_0 embedding, the norms) copied. Q4_K n
 does; minisgl loads Q5_0 as per-channel int8.
 
 For each format, minisgl greedy-decodes 32 tokens of each prompt (bf16 activations, as the engine runs
-on a CPU with bf16 units); agreement is counted against the float32 run: the share of the 32 positions
-that match, and the mean length of the common prefix. Perplexity is over a fixed English text
+on a CPU with bf16 units); agreement is counted against the float run at float32 and at bf16 (the
+activations of the packed runs): the share of the 32 positions that match, and the mean length of the
+common prefix. Perplexity is over a fixed English text
 (benchmark/data/plain_english.txt): transformers' float32 model with each format's effective weights
 (what the packed kernels multiply by, read back from them), so it isolates the weights' error.
 """
@@ -154,7 +155,7 @@ def main() -> None:
     ]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     results = []
-    reference: list[list[int]] | None = None
+    refs: list[list[list[int]]] = []
     for label, path, dtype, quant in runs:
         start = time.perf_counter()
         llm = LLM(path, dtype=dtype, quantization=quant, max_running_req=len(PROMPTS))
@@ -163,37 +164,42 @@ def main() -> None:
         weights = effective_weights(llm.engine.model)
         folder = llm.engine.model_dir
         llm.shutdown()
-        if reference is None:
-            reference = outs
+        if len(refs) < 2:
+            # the float run at float32, and at bf16 (the same weights, the activations of the packed runs)
+            refs.append(outs)
         ids = list(load_tokenizer(folder).encode(open(TEXT).read()))
-        ppl = perplexity(folder, weights, ids)
-        same = [sum(a == b for a, b in zip(o, r)) / args.tokens for o, r in zip(outs, reference)]
-        prefix = [
-            next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), args.tokens)
-            for o, r in zip(outs, reference)
-        ]
         row = {
             "format": label,
             "file": os.path.basename(path),
-            "agreement": float(np.mean(same)),
-            "common_prefix": float(np.mean(prefix)),
-            "identical": sum(o == r for o, r in zip(outs, reference)),
-            "perplexity": ppl,
-            "text_tokens": len(ids),
+            "perplexity": perplexity(folder, weights, ids),
         }
-        results.append(row)
+        row["text_tokens"] = len(ids)
+        for key, ref in zip(("float32", "bf16"), refs):
+            same = [sum(a == b for a, b in zip(o, r)) / args.tokens for o, r in zip(outs, ref)]
+            first_miss = [
+                next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), args.tokens)
+                for o, r in zip(outs, ref)
+            ]
+            row[f"agreement_{key}"] = float(np.mean(same))
+            row[f"prefix_{key}"] = float(np.mean(first_miss))
+        row.setdefault("agreement_bf16", 1.0)
+        row.setdefault("prefix_bf16", float(args.tokens))
+        results.append(row | {"tokens": outs})
         print(
-            f"{label:<22} agree {row['agreement']:.3f}  prefix {row['common_prefix']:5.1f}  identical {row['identical']}/{len(PROMPTS)}  ppl {ppl:.3f}  ({time.perf_counter() - start:.0f} s)",
+            f"{label:<22} agree {row['agreement_float32']:.3f} / {row['agreement_bf16']:.3f}  "
+            f"ppl {row['perplexity']:.3f}  ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
     print()
     print(
-        f"| format | greedy agreement ({args.tokens} tokens, {len(PROMPTS)} prompts) | mean common prefix | identical outputs | perplexity ({results[0]['text_tokens']} tokens) |"
+        f"| format | agreement with float32 ({args.tokens} tokens x {len(PROMPTS)} prompts) | mean common prefix | "
+        f"agreement with bf16 float | mean common prefix | perplexity ({results[0]['text_tokens']} tokens) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['format']} | {100 * r['agreement']:.1f}% | {r['common_prefix']:.1f} | {r['identical']}/{len(PROMPTS)} | {r['perplexity']:.3f} |"
+            f"| {r['format']} | {100 * r['agreement_float32']:.1f}% | {r['prefix_float32']:.1f} | "
+            f"{100 * r['agreement_bf16']:.1f}% | {r['prefix_bf16']:.1f} | {r['perplexity']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as f:
