@@ -139,9 +139,9 @@ def test_unpermute_inverts_llamacpp_permute() -> None:
     for heads in (1, 3, 6):
         permuted = llamacpp_permute(w, heads)
         assert not np.array_equal(permuted, w)
-        np.testing.assert_array_equal(mgguf._unpermute_rows(permuted, heads), w)
+        np.testing.assert_array_equal(mgguf.unpermute_rows(permuted, heads), w)
     bias = np.arange(16, dtype=np.float32)
-    np.testing.assert_array_equal(mgguf._unpermute_rows(llamacpp_permute(bias, 2), 2), bias)
+    np.testing.assert_array_equal(mgguf.unpermute_rows(llamacpp_permute(bias, 2), 2), bias)
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,9 @@
 - "int8": every linear layer and the LM head as int8 with one scale per output channel, from the float
   weights (any checkpoint).
 - "gguf": a GGUF file's own packing: Q4_0 / Q4_1 / Q4_K layers as int4 groups of 32 with the file's
-  codes, Q8_0 layers as per-channel int8 (requantized: torch has no int8 kernel with group scales), and
-  the LM head as int8; layers stored as float (F32, F16, and the K types above 4 bits) stay float.
+  codes; layers of other quantized types (Q8_0, Q5_0, Q6_K, ...) and a merged layer whose parts differ
+  as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
+  head as int8; layers stored as F32 / F16 / BF16 stay float.
 - "none": the float weights (a GGUF file dequantized).
 - None ("auto"): on a CPU, a GGUF file's packing beside the float weights, each used where it measured
   faster (see `minisgl/layers/quant.py`); float everywhere else.
@@ -22,13 +23,10 @@ from torch import nn
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
 from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight
-from minisgl.utils.logger import init_logger
-
-logger = init_logger(__name__)
 
 # rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
-# on AVX512-BF16 without AMX, int4 takes 0.45x of bf16's time at 1 row, 0.45x at 4 and 1.3x at 8
-# (docs/benchmarks.md)
+# on AVX512-BF16 without AMX, int4 takes 0.5x of bf16's time at 1 and 4 rows, 0.9-1.3x at 8 and 1.9x
+# at 16 (benchmark/offline/quant_matmul.py, docs/benchmarks.md)
 PACKED_MAX_ROWS = 4
 
 
@@ -90,19 +88,19 @@ def _gguf_groups(path: str | None, model: nn.Module) -> dict[str, list[_Groups |
     groups, None for a part of another quantized type. Layers stored as float are absent."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    from minisgl.models.gguf import _hf_name, _read_str, _unpermute_rows
+    from minisgl.models.gguf import hf_tensor_name, read_str, unpermute_rows
     from minisgl.models.gguf_quant import INT4_TYPES, int4_groups
-    from minisgl.models.weight import _MERGED
+    from minisgl.models.weight import MERGED
 
     if path is None or not path.endswith(".gguf"):
         raise ValueError("quantization='gguf' needs a .gguf model file; use 'int8' for other checkpoints")
     config = model.config  # type: ignore[attr-defined]
     reader = GGUFReader(path)
-    arch = _read_str(reader, "general.architecture")
+    arch = read_str(reader, "general.architecture")
     modules = dict(model.named_modules())
     found: dict[str, list[_Groups | None]] = {}
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = hf_tensor_name(t.name)
         if (
             hf is None
             or not hf.endswith(".weight")
@@ -117,8 +115,8 @@ def _gguf_groups(path: str | None, model: nn.Module) -> dict[str, list[_Groups |
         module_name = hf[: -len(".weight")]
         parent, _, leaf = module_name.rpartition(".")
         shard = 0
-        if leaf in _MERGED:
-            merged, shard = _MERGED[leaf]
+        if leaf in MERGED:
+            merged, shard = MERGED[leaf]
             module_name = f"{parent}.{merged}"
         module = modules.get(module_name)
         if not isinstance(module, QuantizableLinear) or isinstance(module, ParallelLMHead):
@@ -132,6 +130,6 @@ def _gguf_groups(path: str | None, model: nn.Module) -> dict[str, list[_Groups |
         codes, scale, offset = int4_groups(t.data, t.tensor_type)
         if arch == "llama" and leaf in ("q_proj", "k_proj"):
             heads = config.num_qo_heads if leaf == "q_proj" else config.num_kv_heads
-            codes, scale, offset = (_unpermute_rows(a, heads) for a in (codes, scale, offset))
+            codes, scale, offset = (unpermute_rows(a, heads) for a in (codes, scale, offset))
         parts[shard] = _Groups(codes, scale, offset)
     return found
