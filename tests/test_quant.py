@@ -151,14 +151,15 @@ def test_a_mixed_gguf_model_loads_each_layer_packed_as_the_file_says(tmp_path) -
     assert same >= 0.8 * 18, (a, b)
 
 
-def test_int8_greedy_tokens_match_the_float_models(tiny_model, make_llm) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_greedy_tokens_match_the_float_models(tiny_model, make_llm, dtype: str) -> None:
     folder = tiny_model("llama")
     prompts = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = make_llm(folder, dtype="bfloat16")
+    reference = make_llm(folder, dtype=dtype)
     floats = [o["token_ids"] for o in reference.generate(prompts, params)]
     reference.shutdown()
-    int8 = make_llm(folder, dtype="bfloat16", quantization="int8")
+    int8 = make_llm(folder, dtype=dtype, quantization="int8")
     packed = [o["token_ids"] for o in int8.generate(prompts, params)]
     assert all(len(p) == 8 for p in packed)
     first = [p[:2] for p in packed] == [f[:2] for f in floats]
@@ -241,9 +242,11 @@ def test_a_layer_with_both_copies_uses_the_packed_one_for_few_rows_only() -> Non
     assert torch.equal(layer(x), layer.qweight.matmul(x))
 
 
-@pytest.mark.parametrize("packed_faster", [True, False])
+@pytest.mark.parametrize(
+    ("packed_faster", "dtype"), [(True, "bfloat16"), (False, "bfloat16"), (True, "float32")]
+)
 def test_auto_keeps_a_gguf_files_packing_beside_the_floats_where_it_measured_faster(
-    tmp_path, monkeypatch, packed_faster: bool
+    tmp_path, monkeypatch, packed_faster: bool, dtype: str
 ) -> None:
     weights = hf_weights("llama", tied=False, seed=4, hidden=256, ffn=256, head_dim=64)
     quant = {n: T.Q4_1 for n in weights if n.endswith("_proj.weight")}
@@ -251,10 +254,11 @@ def test_auto_keeps_a_gguf_files_packing_beside_the_floats_where_it_measured_fas
     write_tiny_gguf(path, "llama", weights, quant)
     choice = CpuChoice(torch.bfloat16, packed_faster, "as the test says")
     monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: choice)
-    llm = LLM(path, dtype="bfloat16", max_running_req=4)
+    llm = LLM(path, dtype=dtype, max_running_req=4)
     try:
         layer = llm.engine.model.model.layers[1].mlp.down_proj
-        if packed_faster:
+        # a float32 model keeps float32 results: the packed kernels take bf16 activations
+        if packed_faster and dtype == "bfloat16":
             assert isinstance(layer.qweight, Int4Weight) and layer.weight is not None
             assert isinstance(llm.engine.model.lm_head.qweight, Int8Weight)
         else:

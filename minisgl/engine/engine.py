@@ -176,7 +176,13 @@ class Engine:
         if quantization is None:
             from minisgl.utils.cpu_probe import cpu_choice
 
-            if not source.endswith(".gguf") or not cpu_choice().packed_weights:
+            # the packed kernels take bf16 activations: a float32 model keeps its float32 results
+            if (
+                not source.endswith(".gguf")
+                or self.config.dtype != torch.bfloat16
+                or self.tp_info.size > 1
+                or not cpu_choice().packed_weights
+            ):
                 return
             # packed for the few-row steps where they are faster, float for the batches where oneDNN is
             quantization, keep_float = "gguf", True

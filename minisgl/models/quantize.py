@@ -7,8 +7,8 @@
   as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
   head as int8; layers stored as F32 / F16 / BF16 stay float.
 - "none": the float weights (a GGUF file dequantized).
-- None ("auto"): on a CPU, a GGUF file's packing beside the float weights, each used where it measured
-  faster (see `minisgl/layers/quant.py`); float everywhere else.
+- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights, each
+  used where it measured faster (see `minisgl/layers/quant.py`); float everywhere else.
 The embedding lookup always reads the float table: it touches one row per token.
 """
 
