@@ -62,8 +62,8 @@ def cpu_choice() -> CpuChoice:
     f32_us = _best_us(lambda: F.linear(x16, w))
     bf16_us = _best_us(lambda: F.linear(xb16, wb))
     dtype = torch.bfloat16 if bf16_us < f32_us else torch.float32
-    x1 = x16[:1].to(dtype)
-    float_one_us = _best_us(lambda: linear(x1, w.to(dtype)))
+    x1, w1 = x16[:1].to(dtype), w.to(dtype)
+    float_one_us = _best_us(lambda: linear(x1, w1))
     packed = Int4Weight.from_float(w)
     packed_one_us = _best_us(lambda: packed.matmul(x1))
     choice = CpuChoice(
