@@ -3,7 +3,7 @@
 CPUs of one family differ: with AMX a bf16 matmul runs at ~2 TFLOP/s on two cores, with AVX512-BF16
 only the dot products are native, and without either bf16 is emulated and several times slower than
 float32. The flags say which units exist, not how fast torch's kernels use them, so a short timing
-(about 0.1 s, once a process) decides: bf16 against float32 at a batch of 16 rows, and a packed int4
+(0.2-0.5 s here, once a process, on one thread) decides: bf16 against float32 at a batch of 16 rows, and a packed int4
 weight against the faster of them at one row. The reason is logged once.
 """
 
@@ -29,7 +29,7 @@ class CpuChoice:
     reason: str
 
 
-def _best_us(fn: Callable[[], object], reps: int = 7) -> float:
+def _best_us(fn: Callable[[], object], reps: int = 9) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -51,6 +51,22 @@ def _cpu_units() -> str:
 
 @functools.cache
 def cpu_choice() -> CpuChoice:
+    # one thread: on a busy machine a multi-threaded call waits for its slowest thread (whole scheduler
+    # quanta, measured 20 ms), which hides the kernels' speed; what is compared here is their ratio
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        choice = _measure()
+    finally:
+        torch.set_num_threads(threads)
+    logger.info(
+        f"CPU: dtype auto is {str(choice.dtype).removeprefix('torch.')}, a GGUF file's packed weights are "
+        f"{'used for small batches' if choice.packed_weights else 'not used'} by default ({choice.reason})"
+    )
+    return choice
+
+
+def _measure() -> CpuChoice:
     from minisgl.layers.linear import linear
     from minisgl.layers.quant import Int4Weight
 
@@ -66,14 +82,9 @@ def cpu_choice() -> CpuChoice:
     float_one_us = _best_us(lambda: linear(x1, w1))
     packed = Int4Weight.from_float(w)
     packed_one_us = _best_us(lambda: packed.matmul(x1))
-    choice = CpuChoice(
+    return CpuChoice(
         dtype,
         packed_one_us < float_one_us,
-        f"{_cpu_units()}: 16x1024x3072 matmul bf16 {bf16_us:.0f} us, float32 {f32_us:.0f} us; "
+        f"{_cpu_units()}, one thread: 16x1024x3072 matmul bf16 {bf16_us:.0f} us, float32 {f32_us:.0f} us; "
         f"one row {str(dtype).removeprefix('torch.')} {float_one_us:.0f} us, int4 {packed_one_us:.0f} us",
     )
-    logger.info(
-        f"CPU: dtype auto is {str(choice.dtype).removeprefix('torch.')}, a GGUF file's packed weights are "
-        f"{'used for small batches' if choice.packed_weights else 'not used'} by default ({choice.reason})"
-    )
-    return choice
