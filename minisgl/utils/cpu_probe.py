@@ -3,8 +3,8 @@
 CPUs of one family differ: with AMX a bf16 matmul runs at ~2 TFLOP/s on two cores, with AVX512-BF16
 only the dot products are native, and without either bf16 is emulated and several times slower than
 float32. The flags say which units exist, not how fast torch's kernels use them, so a short timing
-(0.2-0.5 s here, once a process, on one thread) decides: bf16 against float32 at a batch of 16 rows, and a packed int4
-weight against the faster of them at one row. The reason is logged once.
+(0.2-0.5 s, once a process, on one thread) decides: bf16 against float32 at a batch of 16 rows, and a
+packed int4 weight against the faster of them at one row. The reason is logged once.
 """
 
 from __future__ import annotations
