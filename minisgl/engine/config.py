@@ -13,7 +13,7 @@ from minisgl.distributed import DistributedInfo
 class EngineConfig:
     model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
     tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
-    dtype: torch.dtype | None = None  # None: bf16 on CUDA and on CPUs with bf16 hardware, else float32
+    dtype: torch.dtype | None = None  # None: bf16 on CUDA; on a CPU the faster of bf16 and float32 (timed)
     # weight-only quantization (CPU): None/"auto", "none", "int8" or "gguf"; see minisgl/models/quantize.py
     quantization: str | None = None
     # None: the model dtype on CUDA; float32 on a CPU, where half-precision attention kernels are several times slower
