@@ -184,7 +184,7 @@ def main() -> None:
             row[f"prefix_{key}"] = float(np.mean(first_miss))
         row.setdefault("agreement_bf16", 1.0)
         row.setdefault("prefix_bf16", float(args.tokens))
-        results.append(row | {"tokens": outs})
+        results.append(row)
         print(
             f"{label:<22} agree {row['agreement_float32']:.3f} / {row['agreement_bf16']:.3f}  "
             f"ppl {row['perplexity']:.3f}  ({time.perf_counter() - start:.0f} s)",
