@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from minisgl.models import gguf as mgguf
 from minisgl.models.gguf import convert_gguf, default_model_path
+from minisgl.models.gguf_quant import quantize_q4_k
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 32, 4, 2, 8, 48, 2
 
@@ -30,29 +31,31 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def hf_weights(
+    arch: str, tied: bool, seed: int = 0, hidden: int = HIDDEN, ffn: int = FFN, head_dim: int = HEAD_DIM
+) -> dict[str, np.ndarray]:
     """Random weights of a tiny model, in Hugging Face names and layout."""
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    w = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN), "model.norm.weight": rand(HIDDEN)}
+    q, kv = HEADS * head_dim, KV_HEADS * head_dim
+    w = {"model.embed_tokens.weight": rand(VOCAB, hidden), "model.norm.weight": rand(hidden)}
     if not tied:
-        w["lm_head.weight"] = rand(VOCAB, HIDDEN)
+        w["lm_head.weight"] = rand(VOCAB, hidden)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         w |= {
-            p + "self_attn.q_proj.weight": rand(q, HIDDEN),
-            p + "self_attn.k_proj.weight": rand(kv, HIDDEN),
-            p + "self_attn.v_proj.weight": rand(kv, HIDDEN),
-            p + "self_attn.o_proj.weight": rand(HIDDEN, q),
-            p + "mlp.gate_proj.weight": rand(FFN, HIDDEN),
-            p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
-            p + "mlp.down_proj.weight": rand(HIDDEN, FFN),
-            p + "input_layernorm.weight": rand(HIDDEN),
-            p + "post_attention_layernorm.weight": rand(HIDDEN),
+            p + "self_attn.q_proj.weight": rand(q, hidden),
+            p + "self_attn.k_proj.weight": rand(kv, hidden),
+            p + "self_attn.v_proj.weight": rand(kv, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, q),
+            p + "mlp.gate_proj.weight": rand(ffn, hidden),
+            p + "mlp.up_proj.weight": rand(ffn, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, ffn),
+            p + "input_layernorm.weight": rand(hidden),
+            p + "post_attention_layernorm.weight": rand(hidden),
         }
         if arch == "qwen2":
             w |= {
@@ -62,8 +65,8 @@ def hf_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
             }
         if arch == "qwen3":
             w |= {
-                p + "self_attn.q_norm.weight": rand(HEAD_DIM),
-                p + "self_attn.k_norm.weight": rand(HEAD_DIM),
+                p + "self_attn.q_norm.weight": rand(head_dim),
+                p + "self_attn.k_norm.weight": rand(head_dim),
             }
     return w
 
@@ -79,19 +82,28 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{i}.{layer[rest]}.{suffix}"
 
 
-def write_tiny_gguf(path: str, arch: str, weights: dict[str, np.ndarray]) -> None:
-    """A complete tiny GGUF: model hyper-parameters, a byte-level BPE tokenizer and F32 tensors."""
+def write_tiny_gguf(
+    path: str,
+    arch: str,
+    weights: dict[str, np.ndarray],
+    quant: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> None:
+    """A complete tiny GGUF: model hyper-parameters, a byte-level BPE tokenizer and F32 tensors, or
+    tensors quantized to the type `quant` names for them (Q4_K with minisgl's packer)."""
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    ffn = weights["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    head_dim = weights["model.layers.0.self_attn.q_proj.weight"].shape[0] // HEADS
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
     w.add_block_count(LAYERS)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(VOCAB)
@@ -108,7 +120,14 @@ def write_tiny_gguf(path: str, arch: str, weights: dict[str, np.ndarray]) -> Non
             t = llamacpp_permute(t, HEADS)
         elif arch == "llama" and ".k_proj." in name:
             t = llamacpp_permute(t, KV_HEADS)
-        w.add_tensor(gguf_name(name), t)
+        qtype = (quant or {}).get(name)
+        if qtype is None:
+            w.add_tensor(gguf_name(name), t)
+            continue
+        blocks = (
+            quantize_q4_k(t) if qtype == gguf.GGMLQuantizationType.Q4_K else gguf.quants.quantize(t, qtype)
+        )
+        w.add_tensor(gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -120,9 +139,9 @@ def test_unpermute_inverts_llamacpp_permute() -> None:
     for heads in (1, 3, 6):
         permuted = llamacpp_permute(w, heads)
         assert not np.array_equal(permuted, w)
-        np.testing.assert_array_equal(mgguf._unpermute_rows(permuted, heads), w)
+        np.testing.assert_array_equal(mgguf.unpermute_rows(permuted, heads), w)
     bias = np.arange(16, dtype=np.float32)
-    np.testing.assert_array_equal(mgguf._unpermute_rows(llamacpp_permute(bias, 2), 2), bias)
+    np.testing.assert_array_equal(mgguf.unpermute_rows(llamacpp_permute(bias, 2), 2), bias)
 
 
 @pytest.mark.parametrize(

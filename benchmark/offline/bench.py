@@ -153,32 +153,40 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
     works = {n: scenario_work(n, vocab) for n in names}
     streams = max(len(p) for p, _ in works.values())
     longest = max(len(x) + new for p, new in works.values() for x in p)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_running_req=max(streams, 4),
-        cache_type="naive",
-        max_seq_len_override=longest + 8,
-    )
-    llm.generate([[1] * 16] * 2, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rates: dict[str, dict[str, float]] = {n: {} for n in names}
-    dtype = str(llm.engine.config.dtype).removeprefix("torch.")
-    ours = f"minisgl ({dtype})"
-    for n, (prompts, new) in works.items():
-        times = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0))
-            times.append(time.perf_counter() - start)
-        rates[n][ours] = scenario_rate(n, prompts, new, median(times))
-        print(
-            f"{n:<12} {ours:<28} {rates[n][ours]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
-            flush=True,
+    columns: list[str] = []
+    for spec in args.formats.split(","):
+        # QUANTIZATION or QUANTIZATION@FILE: the weight format, and another model file if named
+        quantization, _, path = spec.partition("@")
+        llm = LLM(
+            path or args.model,
+            dtype=args.dtype,
+            quantization=quantization,
+            device=args.device,
+            max_running_req=max(streams, 4),
+            cache_type="naive",
+            max_seq_len_override=longest + 8,
         )
-    model_dir = llm.engine.model_dir
-    llm.shutdown()
-    columns = [ours]
+        llm.generate([[1] * 16] * 2, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        dtype = str(llm.engine.config.dtype).removeprefix("torch.")
+        where = f" {os.path.basename(path).split('.')[-2]}" if path else ""
+        ours = f"minisgl ({dtype}, {quantization}{where})"
+        columns.append(ours)
+        for n, (prompts, new) in works.items():
+            times = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0))
+                times.append(time.perf_counter() - start)
+            rates[n][ours] = scenario_rate(n, prompts, new, median(times))
+            print(
+                f"{n:<12} {ours:<36} {rates[n][ours]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
+                flush=True,
+            )
+        model_dir = llm.engine.model_dir
+        llm.shutdown()
+    ours_columns = list(columns)
+
     if args.peer != "none":
         from transformers import AutoModelForCausalLM
 
@@ -205,21 +213,65 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
                     times.append(time.perf_counter() - start)
                 rates[n][col] = scenario_rate(n, prompts, new, median(times))
                 print(
-                    f"{n:<12} {col:<28} {rates[n][col]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
+                    f"{n:<12} {col:<36} {rates[n][col]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
                     flush=True,
                 )
             del model
+    if args.llamacpp:
+        for spec in args.llamacpp.split(","):
+            col = f"llama.cpp ({os.path.basename(spec).split('.')[-2]})"
+            columns.append(col)
+            for n, (prompts, new) in works.items():
+                rate = run_llamacpp(spec, n, prompts, new, args.repeat)
+                if rate is not None:
+                    rates[n][col] = rate
+                    print(f"{n:<12} {col:<36} {rate:10.1f} tok/s", flush=True)
+    peers = [c for c in columns if c not in ours_columns]
     print()
-    print("| scenario | " + " | ".join(columns) + (" | minisgl / best peer |" if len(columns) > 1 else " |"))
-    print("|---" * (len(columns) + 1 + (len(columns) > 1)) + "|")
+    print("| scenario | " + " | ".join(columns) + (" | best minisgl / best peer |" if peers else " |"))
+    print("|---" * (len(columns) + 1 + bool(peers)) + "|")
     for n in names:
-        cells = [f"{rates[n][c]:.1f}" for c in columns]
-        ratio = (
-            f" | {rates[n][ours] / max(rates[n][c] for c in columns[1:]):.2f}x" if len(columns) > 1 else ""
-        )
+        cells = [f"{rates[n][c]:.1f}" if c in rates[n] else "n/a" for c in columns]
+        best_peer = max((rates[n][c] for c in peers if c in rates[n]), default=None)
+        best_ours = max(rates[n][c] for c in ours_columns)
+        ratio = f" | {best_ours / best_peer:.2f}x" if best_peer else (" | n/a" if peers else "")
         unit = "prompt tok/s" if n.startswith("prefill") else "output tok/s"
         label = f"{n} ({unit})" if n.startswith("prefill") else f"{n} stream{'s' if n != '1' else ''}"
         print(f"| {label} | " + " | ".join(cells) + ratio + " |")
+
+
+def run_llamacpp(path: str, name: str, prompts: list[list[int]], new: int, repeat: int) -> float | None:
+    """llama.cpp (llama-cpp-python) on one stream or a prefill: greedy, never stopping at EOS.
+
+    Its Python binding decodes one sequence at a time, so N concurrent streams are not measured (None).
+    """
+    from statistics import median
+
+    from llama_cpp import Llama
+
+    if not name.startswith("prefill") and len(prompts) > 1:
+        return None
+    model = Llama(
+        path,
+        n_ctx=max(len(p) for p in prompts) + new + 8,
+        n_batch=512,
+        n_threads=torch.get_num_threads(),
+        n_threads_batch=torch.get_num_threads(),
+        verbose=False,
+    )
+    times = []
+    for _ in range(repeat):
+        model.reset()
+        start = time.perf_counter()
+        if name.startswith("prefill"):
+            model.eval(prompts[0])
+        else:
+            for i, _tok in enumerate(model.generate(prompts[0], top_k=1, temp=0.0, reset=True)):
+                if i + 1 == new:
+                    break
+        times.append(time.perf_counter() - start)
+    del model
+    return scenario_rate(name, prompts, new, median(times))
 
 
 def main() -> None:
@@ -246,6 +298,17 @@ def main() -> None:
         "--scenarios",
         default=None,
         help="comma separated: N (N streams, 128 new tokens each) or prefillN; e.g. 1,16,64,prefill500",
+    )
+    p.add_argument(
+        "--formats",
+        default="auto",
+        help="scenarios: minisgl weight formats, comma separated: a quantization (auto, none, int8, gguf), "
+        "optionally @FILE for another model file, e.g. none,int8,gguf,gguf@model.Q4_K.gguf",
+    )
+    p.add_argument(
+        "--llamacpp",
+        default=None,
+        help="scenarios: GGUF files to run with llama-cpp-python as a peer, comma separated",
     )
     p.add_argument("--repeat", type=int, default=3, help="runs of each scenario (the median is reported)")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -13,7 +13,9 @@ from minisgl.distributed import DistributedInfo
 class EngineConfig:
     model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
     tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
-    dtype: torch.dtype | None = None  # None: bf16 on CUDA and on CPUs with bf16 hardware, else float32
+    dtype: torch.dtype | None = None  # None: bf16 on CUDA; on a CPU the faster of bf16 and float32 (timed)
+    # weight-only quantization (CPU): None/"auto", "none", "int8" or "gguf"; see minisgl/models/quantize.py
+    quantization: str | None = None
     # None: the model dtype on CUDA; float32 on a CPU, where half-precision attention kernels are several times slower
     kv_cache_dtype: torch.dtype | None = None
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA where there is one
@@ -30,6 +32,9 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over, evenly
 
     def validate(self) -> None:
+        from minisgl.utils.quantization import check_quantization
+
+        self.quantization = check_quantization(self.quantization)
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} is invalid: it must be >= 1")
         if self.max_running_req < 1:

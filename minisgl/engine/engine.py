@@ -33,7 +33,7 @@ from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weight import iter_safetensors, load_weights
-from minisgl.utils.hf import load_hf_config, resolve_model_path
+from minisgl.utils.hf import find_model, load_hf_config, resolve_model_path
 from minisgl.utils.logger import init_logger, set_log_rank
 from minisgl.utils.misc import align_up, div_ceil
 from minisgl.utils.torch_utils import CopyDone, create_stream, default_device, resolve_dtype
@@ -167,7 +167,44 @@ class Engine:
         finally:
             torch.set_default_dtype(old)
         load_weights(model, iter_safetensors(self.model_dir))
+        self._quantize(model)
         return model.eval()
+
+    def _quantize(self, model: torch.nn.Module) -> None:
+        quantization = self.config.quantization
+        if quantization == "none":
+            return
+        if self.device.type != "cpu":
+            if quantization is not None:
+                raise ValueError(
+                    f"quantization={quantization!r} runs on the CPU only; this engine runs on {self.device}"
+                )
+            return
+        source = find_model(self.config.model_path)
+        keep_float = False
+        if quantization is None:
+            from minisgl.utils.cpu_probe import cpu_choice
+
+            # the packed kernels take bf16 activations: a float32 model keeps its float32 results
+            if (
+                not source.endswith(".gguf")
+                or self.config.dtype != torch.bfloat16
+                or self.tp_info.size > 1
+                or not cpu_choice().packed_weights
+            ):
+                return
+            # packed for the few-row steps where they are faster, float for the batches where oneDNN is
+            quantization, keep_float = "gguf", True
+        if quantization == "gguf" and self.tp_info.size > 1:
+            raise ValueError(
+                "quantization='gguf' runs with tp_size 1 only; use 'int8' or 'none' with tensor parallelism"
+            )
+        from minisgl.models.quantize import quantize_model
+
+        summary = quantize_model(model, quantization, source, keep_float)
+        logger.info_rank0(
+            f"weights quantized ({quantization}{', float kept for large batches' if keep_float else ''}): {summary}"
+        )
 
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config

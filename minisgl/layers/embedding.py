@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
-from minisgl.layers.linear import linear
+from minisgl.layers.linear import QuantizableLinear
 from minisgl.utils.misc import div_ceil
 
 
@@ -29,11 +29,11 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, QuantizableLinear):
     """Logits for the vocabulary; each rank computes its slice and the slices are gathered."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if get_tp_info().size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -12,6 +12,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.layers.quant import QuantizedWeight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,17 +32,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class LinearReplicated(nn.Module):
+class QuantizableLinear(nn.Module):
+    """A layer whose weight [N, K] may also be held packed; `matmul` picks the copy that serves the batch.
+
+    With `keep_float` the float weight stays beside the packed one and batches of more than `max_rows`
+    rows use it; without, the float weight is dropped and every batch uses the packed one.
+    """
+
+    weight: torch.Tensor | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qweight: QuantizedWeight | None = None
+        self.max_rows = 0
+
+    def quantize_(self, qweight: QuantizedWeight, keep_float: bool, max_rows: int) -> None:
+        self.qweight, self.max_rows = qweight, max_rows
+        if not keep_float:
+            self.weight = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None or (self.weight is not None and x.numel() // x.shape[-1] > self.max_rows):
+            assert self.weight is not None
+            return linear(x, self.weight)
+        shape = x.shape
+        y = self.qweight.matmul(x.reshape(-1, shape[-1]))
+        return y.reshape(*shape[:-1], self.qweight.out_features)
+
+
+class LinearReplicated(QuantizableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y + self.bias if self.bias is not None else y
 
 
-class LinearColParallelMerged(nn.Module):
+class LinearColParallelMerged(QuantizableLinear):
     """Several column-parallel projections in one matmul (q|k|v, gate|up); `out_sizes` are the full sizes.
 
     `slices` (start, size) says which rows of each full projection this rank keeps; by default the
@@ -75,10 +105,11 @@ class LinearColParallelMerged(nn.Module):
         return start, self.local_sizes[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y + self.bias if self.bias is not None else y
 
 
-class LinearRowParallel(nn.Module):
+class LinearRowParallel(QuantizableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         tp = get_tp_info().size
@@ -88,6 +119,5 @@ class LinearRowParallel(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y

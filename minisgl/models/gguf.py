@@ -122,7 +122,7 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
     return folder
 
 
-def _read_str(reader: GGUFReader, key: str) -> str | None:
+def read_str(reader: GGUFReader, key: str) -> str | None:
     field = reader.get_field(key)
     return None if field is None else str(field.contents())
 
@@ -132,7 +132,7 @@ def _convert_into(path: str, out: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = GGUFReader(path)
-    arch = _read_str(reader, "general.architecture")
+    arch = read_str(reader, "general.architecture")
     if arch not in _SUPPORTED_GGUF_ARCHS:
         raise ValueError(
             f"GGUF architecture {arch!r} of {path} is not supported (supported: {', '.join(_SUPPORTED_GGUF_ARCHS)})"
@@ -167,7 +167,7 @@ def _convert_into(path: str, out: str) -> None:
     shutil.copymode(os.path.join(out, "config.json"), os.path.join(out, "model.safetensors"))
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str) -> str | None:
     """The HF state-dict name of a GGUF tensor; None for tensors HF has no place for."""
     if gguf_name in _SKIPPED:
         return None
@@ -180,7 +180,7 @@ def _hf_name(gguf_name: str) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart known to minisgl")
 
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation.
 
     llama.cpp's converter reorders each head's rows from HF's half-split rotary layout
@@ -195,7 +195,7 @@ def _read_weights(reader: GGUFReader, arch: str, n_heads: int, n_kv_heads: int) 
     tensors: dict[str, torch.Tensor] = {}
     # shown only on a terminal (disable=None); the log says when the conversion is done
     for t in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=None, leave=False):
-        hf_name = _hf_name(t.name)
+        hf_name = hf_tensor_name(t.name)
         if hf_name is None:
             logger.warning("skipping GGUF tensor %s (no Hugging Face counterpart)", t.name)
             continue
@@ -204,9 +204,9 @@ def _read_weights(reader: GGUFReader, arch: str, n_heads: int, n_kv_heads: int) 
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if arch == "llama":
             if ".attn_q." in t.name:
-                w = _unpermute_rows(w, n_heads)
+                w = unpermute_rows(w, n_heads)
             elif ".attn_k." in t.name:
-                w = _unpermute_rows(w, n_kv_heads)
+                w = unpermute_rows(w, n_kv_heads)
         # Copy out of the read-only memmap so the tensor owns its memory.
         tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     return tensors

@@ -23,7 +23,7 @@ from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
 from minisgl.layers.moe import MoeExperts
 
-_MERGED = {
+MERGED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -74,8 +74,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         module_name, attr = _split(name)
         parent, _, leaf = module_name.rpartition(".")
         shard = None
-        if leaf in _MERGED:
-            merged, shard = _MERGED[leaf]
+        if leaf in MERGED:
+            merged, shard = MERGED[leaf]
             module_name = f"{parent}.{merged}"
         if module_name not in modules:
             if name.endswith("rotary_emb.inv_freq"):
@@ -124,7 +124,7 @@ def _load_expert(
         param, shard = "down_proj", None
         experts.down_proj.data[e].copy_(tensor.narrow(1, info.rank * size, size))
     else:
-        param, shard = "gate_up_proj", _MERGED[proj][1]
+        param, shard = "gate_up_proj", MERGED[proj][1]
         target = experts.gate_up_proj.data[e].narrow(0, shard * size, size)
         target.copy_(tensor.narrow(0, info.rank * size, size))
     return _expert_key(f"{match['module']}.{param}", e, shard)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -30,24 +29,15 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-@functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); without it bf16 matmuls are emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The model dtype for "auto": bf16 on CUDA and on CPUs with bf16 hardware, float32 on other CPUs."""
+    """The model dtype for "auto": bf16 on CUDA; on a CPU, whichever of bf16 and float32 multiplies faster here."""
     if dtype is not None:
         return dtype
-    if device.type == "cuda" or cpu_has_fast_bf16():
+    if device.type == "cuda":
         return torch.bfloat16
-    return torch.float32
+    from minisgl.utils.cpu_probe import cpu_choice
+
+    return cpu_choice().dtype
 
 
 def default_device() -> torch.device:

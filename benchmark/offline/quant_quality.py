@@ -1,0 +1,210 @@
+"""Quality of each weight format against the float run: greedy agreement and perplexity.
+
+    python benchmark/offline/quant_quality.py [--model FILE.gguf] [--out-dir DIR] [--json out.json]
+
+The float run is the GGUF file dequantized to float32 (the default model ships only as Q4_1, so its
+float weights are the Q4_1 values). The other GGUF types are made from those floats: Q8_0, Q4_0 with
+`gguf.quants`, Q4_K with minisgl's packer (`minisgl/models/gguf_quant.py`); every tensor that is Q4_1 in
+the file is requantized, the rest (the Q8_0 embedding, the norms) copied. Q4_K needs rows of whole
+256-element blocks: where a row is not (SmolLM2's hidden size is 576), Q5_0 is written, as llama.cpp
+does; minisgl loads Q5_0 as per-channel int8.
+
+For each format, minisgl greedy-decodes 32 tokens of each prompt (bf16 activations, as the engine runs
+on a CPU with bf16 units); agreement is counted against the float run at float32 and at bf16 (the
+activations of the packed runs): the share of the 32 positions that match, and the mean length of the
+common prefix. Perplexity is over a fixed English text
+(benchmark/data/plain_english.txt): transformers' float32 model with each format's effective weights
+(what the packed kernels multiply by, read back from them), so it isolates the weights' error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "..", "data", "plain_english.txt")
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of a paperclip.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Describe a cat to someone who has never seen one.",
+    "What are the planets of the solar system?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How do I boil an egg?",
+    "Tell me a fun fact about octopuses.",
+    "Why do leaves change colour in autumn?",
+    "Write a haiku about winter.",
+    "What is the difference between weather and climate?",
+]
+
+
+def requantize_gguf(src: str, dst: str, qtype_name: str) -> str:
+    """A copy of `src` with every Q4_1 tensor requantized (from its float values) to `qtype_name`."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from minisgl.models.gguf_quant import quantize_q4_k
+
+    if os.path.isfile(dst):
+        return dst
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
+    writer = gguf.GGUFWriter(dst + ".tmp", arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            kind = qtype
+            if qtype == gguf.GGMLQuantizationType.Q4_K and shape[1] % 256:
+                # llama.cpp's own fallback for a row that is not whole 256-element blocks
+                kind = gguf.GGMLQuantizationType.Q5_0
+            blocks = quantize_q4_k(w) if kind == gguf.GGMLQuantizationType.Q4_K else quantize(w, kind)
+            writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(dst + ".tmp", dst)
+    return dst
+
+
+def effective_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> float32 weights of every linear layer, as minisgl multiplies by them."""
+    from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
+
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantizableLinear):
+            continue
+        w = m.qweight.dequantize() if m.qweight is not None else m.weight.float()
+        if isinstance(m, LinearColParallelMerged):
+            parent, _, leaf = name.rpartition(".")
+            for sub, piece in zip(parts[leaf], w.split(m.local_sizes)):
+                out[f"{parent}.{sub}.weight"] = piece
+        else:
+            out[f"{name}.weight"] = w
+    return out
+
+
+def perplexity(folder: str, weights: dict[str, torch.Tensor], ids: list[int]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if model.config.tie_word_embeddings:
+        # the tied head's packed copy is what scores tokens; the embedding lookup reads the float table
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())
+    missing = set(weights) - set(model.state_dict())
+    assert not missing, missing
+    model.load_state_dict(weights, strict=False)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        loss = model(x, labels=x).loss.item()
+    return math.exp(loss)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a Q4_1 GGUF file (default: the embedded SmolLM2-135M)")
+    p.add_argument("--out-dir", default=os.path.expanduser("~/.cache/minisgl/quant-quality"))
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    sys.path.insert(0, os.path.join(HERE, "..", ".."))
+    from minisgl import LLM, SamplingParams
+    from minisgl.models.gguf import default_model_path
+    from minisgl.utils.hf import chat_template_ids, load_tokenizer
+
+    src = args.model or default_model_path()
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.basename(src).split(".")[0]
+    made = {
+        q: requantize_gguf(src, os.path.join(args.out_dir, f"{stem}.{q}.gguf"), q)
+        for q in ("Q8_0", "Q4_0", "Q4_K")
+    }
+    src_type = "Q4_1"
+    runs = [
+        ("float32 (reference)", src, "float32", "none"),
+        ("bf16 weights", src, "bfloat16", "none"),
+        ("int8 per channel", src, "bfloat16", "int8"),
+        (f"{src_type} packed", src, "bfloat16", "gguf"),
+        *[(f"{q} packed", path, "bfloat16", "gguf") for q, path in made.items()],
+    ]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    results = []
+    refs: list[list[list[int]]] = []
+    for label, path, dtype, quant in runs:
+        start = time.perf_counter()
+        llm = LLM(path, dtype=dtype, quantization=quant, max_running_req=len(PROMPTS))
+        prompts = [chat_template_ids(llm.tokenizer, [{"role": "user", "content": t}]) for t in PROMPTS]
+        outs = [o["token_ids"] for o in llm.generate(prompts, params)]
+        weights = effective_weights(llm.engine.model)
+        folder = llm.engine.model_dir
+        llm.shutdown()
+        if len(refs) < 2:
+            # the float run at float32, and at bf16 (the same weights, the activations of the packed runs)
+            refs.append(outs)
+        ids = list(load_tokenizer(folder).encode(open(TEXT).read()))
+        row = {
+            "format": label,
+            "file": os.path.basename(path),
+            "perplexity": perplexity(folder, weights, ids),
+        }
+        row["text_tokens"] = len(ids)
+        for key, ref in zip(("float32", "bf16"), refs):
+            same = [sum(a == b for a, b in zip(o, r)) / args.tokens for o, r in zip(outs, ref)]
+            first_miss = [
+                next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), args.tokens)
+                for o, r in zip(outs, ref)
+            ]
+            row[f"agreement_{key}"] = float(np.mean(same))
+            row[f"prefix_{key}"] = float(np.mean(first_miss))
+        row.setdefault("agreement_bf16", 1.0)
+        row.setdefault("prefix_bf16", float(args.tokens))
+        results.append(row)
+        print(
+            f"{label:<22} agree {row['agreement_float32']:.3f} / {row['agreement_bf16']:.3f}  "
+            f"ppl {row['perplexity']:.3f}  ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+    print()
+    print(
+        f"| format | agreement with float32 ({args.tokens} tokens x {len(PROMPTS)} prompts) | mean common prefix | "
+        f"agreement with bf16 float | mean common prefix | perplexity ({results[0]['text_tokens']} tokens) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['format']} | {100 * r['agreement_float32']:.1f}% | {r['prefix_float32']:.1f} | "
+            f"{100 * r['agreement_bf16']:.1f}% | {r['prefix_bf16']:.1f} | {r['perplexity']:.3f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

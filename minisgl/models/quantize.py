@@ -1,0 +1,135 @@
+"""Weight-only quantization of a loaded model's linear layers (CPU): what each `quantization` value means.
+
+- "int8": every linear layer and the LM head as int8 with one scale per output channel, from the float
+  weights (any checkpoint).
+- "gguf": a GGUF file's own packing: Q4_0 / Q4_1 / Q4_K layers as int4 groups of 32 with the file's
+  codes; layers of other quantized types (Q8_0, Q5_0, Q6_K, ...) and a merged layer whose parts differ
+  as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
+  head as int8; layers stored as F32 / F16 / BF16 stay float.
+- "none": the float weights (a GGUF file dequantized).
+- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights, each
+  used where it measured faster (see `minisgl/layers/quant.py`); float everywhere else.
+The embedding lookup always reads the float table: it touches one row per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from minisgl.layers.embedding import ParallelLMHead
+from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
+from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight
+
+# rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
+# on AVX512-BF16 without AMX, int4 takes 0.5x of bf16's time at 1 and 4 rows, 0.9-1.3x at 8 and 1.9x
+# at 16 (benchmark/offline/quant_matmul.py, docs/benchmarks.md)
+PACKED_MAX_ROWS = 4
+
+
+@dataclass
+class _Groups:
+    """One GGUF tensor as int4 groups (codes, scale, offset), rows in the model's order."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+
+
+def quantize_model(model: nn.Module, quantization: str, gguf_path: str | None, keep_float: bool) -> str:
+    """Pack the linear layers of `model` in place; returns a one-line summary for the log."""
+    groups = _gguf_groups(gguf_path, model) if quantization == "gguf" else {}
+    modules = dict(model.named_modules())
+    counts: dict[str, int] = {}
+    for name, module in modules.items():
+        if not isinstance(module, QuantizableLinear) or module.weight is None:
+            continue
+        qweight = _pack(name, module, quantization, groups)
+        if qweight is None:
+            continue
+        # a tied LM head shares its float weight with the embedding, which needs it
+        keep = keep_float or (isinstance(module, ParallelLMHead) and _is_tied(model))
+        module.quantize_(qweight, keep, PACKED_MAX_ROWS if keep else 0)
+        kind = type(qweight).__name__
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no layer packed"
+
+
+def _is_tied(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def _pack(
+    name: str, module: QuantizableLinear, quantization: str, groups: dict[str, list[_Groups | None]]
+) -> QuantizedWeight | None:
+    assert module.weight is not None
+    if quantization == "int8" or isinstance(module, ParallelLMHead):
+        # the LM head as int8: at one row it is 1.6x faster than the bf16 kernel and int4 (measured)
+        return Int8Weight.from_float(module.weight)
+    shards = groups.get(name)
+    if shards is None:
+        return None
+    if all(s is not None for s in shards):
+        parts = [s for s in shards if s is not None]
+        cat = [
+            torch.from_numpy(np.concatenate([getattr(p, f) for p in parts]))
+            for f in ("codes", "scale", "offset")
+        ]
+        return Int4Weight(cat[0], cat[1], cat[2])
+    # Q8_0, or a merged layer whose parts are of different types: per-channel int8 of the float values
+    return Int8Weight.from_float(module.weight)
+
+
+def _gguf_groups(path: str | None, model: nn.Module) -> dict[str, list[_Groups | None]]:
+    """For each linear layer stored quantized in the GGUF file: its parts (q, k, v / gate, up) as int4
+    groups, None for a part of another quantized type. Layers stored as float are absent."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from minisgl.models.gguf import hf_tensor_name, read_str, unpermute_rows
+    from minisgl.models.gguf_quant import INT4_TYPES, int4_groups
+    from minisgl.models.weight import MERGED
+
+    if path is None or not path.endswith(".gguf"):
+        raise ValueError("quantization='gguf' needs a .gguf model file; use 'int8' for other checkpoints")
+    config = model.config  # type: ignore[attr-defined]
+    reader = GGUFReader(path)
+    arch = read_str(reader, "general.architecture")
+    modules = dict(model.named_modules())
+    found: dict[str, list[_Groups | None]] = {}
+    for t in reader.tensors:
+        hf = hf_tensor_name(t.name)
+        if (
+            hf is None
+            or not hf.endswith(".weight")
+            or t.tensor_type
+            in (
+                GGMLQuantizationType.F32,
+                GGMLQuantizationType.F16,
+                GGMLQuantizationType.BF16,
+            )
+        ):
+            continue
+        module_name = hf[: -len(".weight")]
+        parent, _, leaf = module_name.rpartition(".")
+        shard = 0
+        if leaf in MERGED:
+            merged, shard = MERGED[leaf]
+            module_name = f"{parent}.{merged}"
+        module = modules.get(module_name)
+        if not isinstance(module, QuantizableLinear) or isinstance(module, ParallelLMHead):
+            continue
+        parts = found.setdefault(
+            module_name,
+            [None] * (len(module.local_sizes) if isinstance(module, LinearColParallelMerged) else 1),
+        )
+        if t.tensor_type not in INT4_TYPES:
+            continue
+        codes, scale, offset = int4_groups(t.data, t.tensor_type)
+        if arch == "llama" and leaf in ("q_proj", "k_proj"):
+            heads = config.num_qo_heads if leaf == "q_proj" else config.num_kv_heads
+            codes, scale, offset = (unpermute_rows(a, heads) for a in (codes, scale, offset))
+        parts[shard] = _Groups(codes, scale, offset)
+    return found
