@@ -218,17 +218,12 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
-    def prepare_batch(
-        self,
-        batch: Batch,
-        token_mask: torch.Tensor | None = None,
-        eos_token_ids: Sequence[int] = (),
-    ) -> ForwardInput:
+    def prepare_batch(self, batch: Batch, eos_token_ids: Sequence[int] = ()) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
         The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
-        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py);
-        `eos_token_ids` are the tokens a request below its min_tokens may not sample.
+        `eos_token_ids` are the tokens a request below its min_tokens may not sample. The grammar masks
+        of constrained rows come apart (`set_token_mask`): they need the tokens sampled just before.
         """
         self.graph_runner.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
@@ -242,12 +237,11 @@ class Engine:
         self.attn_backend.prepare_metadata(batch)
         sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids)
         sample_args.prompt = prompt_args
-        forward_input = ForwardInput(batch, sample_args, input_mapping, write_mapping)
-        self.set_token_mask(forward_input, token_mask)
-        return forward_input
+        return ForwardInput(batch, sample_args, input_mapping, write_mapping)
 
     def set_token_mask(self, forward_input: ForwardInput, token_mask: torch.Tensor | None) -> None:
-        """Queue the batch's grammar bitmask to the device on the current stream, for its sampling.
+        """Queue the batch's grammar bitmask ([B, ceil(V/32)] int32 bits of the tokens each row may sample,
+        constrained/grammar.py) to the device on the current stream, for its sampling.
 
         Beside CUDA the mask should be in pinned memory, so the copy is asynchronous; the caching host
         allocator keeps that memory until the copy has landed, so the caller may drop the host tensor.

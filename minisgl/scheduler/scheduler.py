@@ -142,7 +142,7 @@ class Scheduler(SchedulerIOMixin):
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
             # the masks of constrained rows come later, when the tokens before them are known (_launch)
-            forward_input = self.engine.prepare_batch(batch, None, self._eos_ids)
+            forward_input = self.engine.prepare_batch(batch, self._eos_ids)
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
