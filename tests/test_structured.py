@@ -12,7 +12,6 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -277,25 +276,6 @@ def test_aborting_constrained_requests_under_overlap_frees_everything(
     again = llm.generate(prompts, params)
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in reference]
     assert_nothing_held(llm)
-
-
-def test_tp2_ranks_sample_constrained_steps_alike(tiny_llm: LLM, tiny_model: Callable[[str], str]) -> None:
-    # every rank fills the masks and samples at the same point: a rank out of step would hang the
-    # broadcast of the tokens or give other tokens than one rank alone
-    prompts = PROMPTS * 2
-    params = [replace(p, temperature=0.0) for p in MIXED]
-    alone = tiny_llm.generate(prompts, params)
-    llm = LLM(tiny_model("llama"), dtype=torch.float32, tp_size=2, max_running_req=4)
-    try:
-        out = llm.generate(prompts, params)
-        assert_nothing_held(llm)
-        assert not llm.grammars.active
-    finally:
-        llm.shutdown()
-        set_global_ctx(tiny_llm.engine.ctx)
-    assert [o["token_ids"] for o in out] == [o["token_ids"] for o in alone]
-    for i in (0, 3):
-        check_json(out[i], PERSON, tiny_llm.tokenizer)
 
 
 def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_the_field(
