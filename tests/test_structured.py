@@ -19,9 +19,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_trace import host_steps, load
+from tiny import assert_nothing_held
 
 from minisgl.constrained.grammar import MAX_GRAMMAR_CHARS, GrammarManager, apply_token_mask, choice_regex
-from minisgl.core import RequestError, SamplingParams, set_global_ctx
+from minisgl.core import Batch, RequestError, SamplingParams, set_global_ctx
+from minisgl.env import ENV
 from minisgl.llm import LLM
 
 xgr = pytest.importorskip("xgrammar")
@@ -161,27 +164,118 @@ class _OverlapLLM(LLM):
             last = self.overlap_loop(last)
 
 
-def test_overlap_loop_gives_the_tokens_of_the_plain_loop_with_constrained_requests(
-    tiny_llm: LLM, tiny_model: Callable[[str], str]
-) -> None:
-    params = [
-        SamplingParams(max_tokens=40, json_schema=json.dumps(PERSON)),
-        SamplingParams(max_tokens=20, ignore_eos=True),
-        SamplingParams(max_tokens=30, regex=r"[0-9]{3}-[0-9]{4}", temperature=1.0, seed=5),
-    ]
-    plain = tiny_llm.generate(PROMPTS, params)
-    llm = _OverlapLLM(tiny_model("llama"), dtype=torch.float32, max_running_req=16)
-    try:
-        overlapped = llm.generate(PROMPTS, params)
-        # a second round: constrained requests have finished, the loop overlaps again
-        free = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-    finally:
+@pytest.fixture
+def overlap_llm(
+    tiny_llm: LLM, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., LLM]]:
+    """overlap_llm(**kwargs) -> an LLM on the tiny model that runs the overlap loop, checking every table row
+    and KV page after each step; shut down when the test ends."""
+    monkeypatch.setattr(ENV.DEBUG_CHECK_INTEGRITY, "value", True)
+    built: list[LLM] = []
+
+    def make(**kwargs: Any) -> LLM:
+        built.append(_OverlapLLM(tiny_model("llama"), dtype=torch.float32, max_running_req=16, **kwargs))
+        return built[-1]
+
+    yield make
+    for llm in built:
         llm.shutdown()
-        # a process runs one engine at a time: the module's engine takes its context back
-        set_global_ctx(tiny_llm.engine.ctx)
+    # a process runs one engine at a time: the module's engine takes its context back
+    set_global_ctx(tiny_llm.engine.ctx)
+
+
+# constrained (greedy and sampled) and unconstrained requests, mixed in every batch
+MIXED = [
+    SamplingParams(max_tokens=40, json_schema=json.dumps(PERSON)),
+    SamplingParams(max_tokens=20, ignore_eos=True),
+    SamplingParams(max_tokens=30, regex=r"[0-9]{3}-[0-9]{4}", temperature=1.0, seed=5),
+    SamplingParams(max_tokens=60, json_schema=json.dumps(PERSON), temperature=1.0, seed=7),
+    SamplingParams(max_tokens=25, temperature=0.8, seed=11),
+    SamplingParams(max_tokens=30, regex=choice_regex(["Paris", "New York (US)", "a.b*c"])),
+]
+
+
+def test_overlap_loop_gives_the_tokens_of_the_plain_loop_with_constrained_requests(
+    tiny_llm: LLM, overlap_llm: Callable[..., LLM]
+) -> None:
+    prompts = PROMPTS * 2
+    plain = tiny_llm.generate(prompts, MIXED)
+    llm = overlap_llm()
+    overlapped = llm.generate(prompts, MIXED)
+    assert_nothing_held(llm)
+    assert not llm.grammars.active  # every matcher is gone with its request
+    # a second round: constrained requests have finished, the loop runs unconstrained batches whole
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o["token_ids"] for o in overlapped] == [o["token_ids"] for o in plain]
     assert [o["finish_reason"] for o in overlapped] == [o["finish_reason"] for o in plain]
+    for i in (0, 3):
+        check_json(overlapped[i], PERSON, llm.tokenizer)
+    assert overlapped[2]["finish_reason"] == "stop" and re.fullmatch(
+        r"[0-9]{3}-[0-9]{4}", overlapped[2]["text"]
+    )
+    assert overlapped[5]["text"] in ("Paris", "New York (US)", "a.b*c")
+    assert len(overlapped[1]["token_ids"]) == 20
     assert all(len(o["token_ids"]) == 8 for o in free)
+
+
+def test_overlap_loop_runs_the_next_model_before_handling_constrained_results(
+    tiny_llm: LLM, overlap_llm: Callable[..., LLM], tmp_path: Any
+) -> None:
+    path = str(tmp_path / "overlap.json")
+    llm = overlap_llm(trace=path)
+    params = SamplingParams(max_tokens=30, json_schema=json.dumps(PERSON))
+    outs = llm.generate(PROMPTS, params)
+    llm.shutdown()
+    for out in outs:
+        check_json(out, PERSON, tiny_llm.tokenizer)
+    events = load(path)
+    steps = {s["args"]["step"]: s for s in host_steps(events)}
+    results = {e["args"]["step"]: e for e in events if e["ph"] == "X" and e["name"] == "results"}
+    assert len(steps) > 10 and set(results) == set(steps)
+    # every step is constrained here; step k + 1's model had run (on the CPU the launch computes it)
+    # before step k's tokens were handled, and so before step k + 1's masks could be filled
+    for k in range(1, len(steps)):
+        launched = steps[k + 1]["ts"] + steps[k + 1]["dur"]
+        assert launched <= results[k]["ts"], (k, steps[k + 1], results[k])
+        # ... and step k + 1's results come after step k's
+        assert results[k]["ts"] + results[k]["dur"] <= results[k + 1]["ts"]
+
+
+def test_aborting_constrained_requests_under_overlap_frees_everything(
+    tiny_llm: LLM, overlap_llm: Callable[..., LLM]
+) -> None:
+    prompts = PROMPTS * 2
+    params = [SamplingParams(max_tokens=40, json_schema=json.dumps(PERSON))] * 4 + MIXED[1:3]
+    # first: a process runs one engine at a time, and the next one built takes the context
+    reference = tiny_llm.generate(prompts, params)
+    llm = overlap_llm()
+    decodes: dict[int, int] = {}
+    aborted: list[int] = []
+
+    def abort_mid_run(batch: Batch | None) -> None:
+        if batch is None or not batch.is_decode:
+            return
+        for r in batch.reqs:
+            decodes[r.uid] = decodes.get(r.uid, 0) + 1
+            # 0: in its third decode step (in flight when the abort is taken); 3: in its first
+            if (r.uid, decodes[r.uid]) in ((0, 3), (3, 1)) and r.uid not in aborted:
+                aborted.append(r.uid)
+                llm.abort(r.uid)
+
+    llm.step_observers.append(abort_mid_run)
+    outs = llm.generate(prompts, params)
+    assert sorted(aborted) == [0, 3]
+    assert outs[0]["finish_reason"] == "abort" and outs[3]["finish_reason"] == "abort"
+    for i in (1, 2):
+        check_json(outs[i], PERSON, llm.tokenizer)
+    assert len(outs[4]["token_ids"]) == 20 and re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[5]["text"])
+    assert_nothing_held(llm)
+    assert not llm.grammars.active
+    # what the aborts freed is reused: the same requests again, none aborted, give the plain loop's tokens
+    llm.step_observers.clear()
+    again = llm.generate(prompts, params)
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in reference]
+    assert_nothing_held(llm)
 
 
 def test_two_constraints_or_a_grammar_that_does_not_compile_are_refused_naming_the_field(

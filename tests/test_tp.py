@@ -7,6 +7,7 @@ signal or a bad size must leave no process behind and say what happened.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -85,6 +86,41 @@ def test_ranks_stay_in_step_through_sampling_aborts_and_stop_strings(
     finally:
         single.shutdown()
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in ref]
+
+
+def test_ranks_fill_masks_and_sample_constrained_steps_alike(tiny_model: Callable[[str], str]) -> None:
+    # every rank fills a constrained batch's masks and samples it at the same point: a rank out of step
+    # would hang the broadcast of the tokens, or give other tokens than a single rank
+    pytest.importorskip("xgrammar")
+    folder = tiny_model("llama")
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": ["n", "ok"],
+            "additionalProperties": False,
+        }
+    )
+    params = [
+        SamplingParams(max_tokens=24, json_schema=schema),
+        SamplingParams(max_tokens=10, ignore_eos=True),
+        SamplingParams(max_tokens=16, regex=r"[0-9]{3}-[0-9]{4}"),
+    ] * 2
+    outs = []
+    for tp in (1, 2):
+        llm = tp_llm(folder, tp=tp)
+        try:
+            outs.append(llm.generate(PROMPTS, params))
+            assert_nothing_held(llm)
+            assert not llm.grammars.active
+        finally:
+            llm.shutdown()
+    single, ranks = outs
+    assert [o["token_ids"] for o in ranks] == [o["token_ids"] for o in single]
+    for o in ranks[::3]:
+        assert o["finish_reason"] == "length" or set(json.loads(o["text"])) == {"n", "ok"}, o
+    for o in ranks[2::3]:
+        assert o["finish_reason"] == "stop" and re.fullmatch(r"[0-9]{3}-[0-9]{4}", o["text"]), o
 
 
 def test_a_size_that_does_not_divide_the_model_fails_before_any_process_starts(

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from minisgl.core import ChunkedReq
 from minisgl.params import RequestError, SamplingParams
 from minisgl.utils.logger import init_logger
 
@@ -126,8 +127,12 @@ class GrammarManager:
     compile. Every rank waits at that same point of the same batch, so the ranks' schedules stay equal.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], pin_memory: bool = False
+    ) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        # masks filled in pinned memory reach a GPU by an asynchronous copy
+        self.pin_memory = pin_memory
         self.matchers: dict[int, Any] = {}
         self._compiling: dict[int, Future[Any]] = {}
         # one thread: compiles run in arrival order, and the compiler's cache is touched by one at a time
@@ -137,8 +142,13 @@ class GrammarManager:
 
     @property
     def active(self) -> bool:
-        """Some request is constrained: the next step's masks need this step's tokens."""
+        """Some request is constrained."""
         return bool(self.matchers) or bool(self._compiling)
+
+    def constrains(self, reqs: list[Any]) -> bool:
+        """Some request of `reqs` is constrained, so the batch's masks need every token sampled before it
+        (never waits for a compile: the answer is the same before and after it)."""
+        return any(r.uid in self.matchers or r.uid in self._compiling for r in reqs)
 
     def add(self, uid: int, params: SamplingParams) -> None:
         """Start compiling the request's grammar (cached) on the compile thread; its matcher is taken later."""
@@ -206,13 +216,21 @@ class GrammarManager:
 
     def fill_masks(self, reqs: list[Any]) -> torch.Tensor | None:
         """The [B, ceil(V/32)] int32 bitmask (on the CPU) of the tokens each row may sample next, filled by one
-        call for every constrained row; other rows allow everything. None when no row is constrained."""
+        call for every constrained row; other rows allow everything. None when no row is constrained.
+
+        A chunk of a prompt samples nothing, so its row needs no mask. That is asked of the request's
+        kind, not of `can_decode`: under overlap the masks are filled after the step has been counted
+        (`complete_one`), when a request sampling its last token can no longer decode.
+        """
         rows = [
-            (i, m) for i, r in enumerate(reqs) if r.can_decode and (m := self._matcher(r.uid)) is not None
+            (i, m)
+            for i, r in enumerate(reqs)
+            if not isinstance(r, ChunkedReq) and (m := self._matcher(r.uid)) is not None
         ]
         if not rows:
             return None
-        mask = torch.full((len(reqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        shape = (len(reqs), (self.vocab_size + 31) // 32)
+        mask = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
         self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, indices=[i for i, _ in rows])
         return mask
 

@@ -255,17 +255,12 @@ class Engine:
         self.sampler.sample(logits, args)
         torch.cuda.synchronize(self.device)
 
-    def prepare_batch(
-        self,
-        batch: Batch,
-        token_mask: torch.Tensor | None = None,
-        eos_token_ids: Sequence[int] = (),
-    ) -> ForwardInput:
+    def prepare_batch(self, batch: Batch, eos_token_ids: Sequence[int] = ()) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
         The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
-        `token_mask` is the bitmask of tokens the constrained rows may sample (constrained/grammar.py);
-        `eos_token_ids` are the tokens a request below its min_tokens may not sample.
+        `eos_token_ids` are the tokens a request below its min_tokens may not sample. The grammar masks
+        of constrained rows come apart (`set_token_mask`): they need the tokens sampled just before.
         """
         self.graph_runner.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
@@ -279,9 +274,18 @@ class Engine:
         self.attn_backend.prepare_metadata(batch)
         sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids)
         sample_args.prompt = prompt_args
-        if token_mask is not None:
-            sample_args.token_mask = token_mask.to(self.device, non_blocking=self.device.type == "cuda")
         return ForwardInput(batch, sample_args, input_mapping, write_mapping)
+
+    def set_token_mask(self, forward_input: ForwardInput, token_mask: torch.Tensor | None) -> None:
+        """Queue the batch's grammar bitmask ([B, ceil(V/32)] int32 bits of the tokens each row may sample,
+        constrained/grammar.py) to the device on the current stream, for its sampling.
+
+        Beside CUDA the mask should be in pinned memory, so the copy is asynchronous; the caching host
+        allocator keeps that memory until the copy has landed, so the caller may drop the host tensor.
+        """
+        if token_mask is not None:
+            on_cuda = self.device.type == "cuda"
+            forward_input.sample_args.token_mask = token_mask.to(self.device, non_blocking=on_cuda)
 
     def _prompt_logprob_args(self, batch: Batch) -> PromptLogprobArgs | None:
         """The positions of this prefill whose next token is a prompt token, for the requests that ask
@@ -319,13 +323,29 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, forward_input: ForwardInput) -> ForwardOutput:
         """Run one step: inputs gathered from the token pool, samples written back to it, on the device."""
-        batch, args = forward_input.batch, forward_input.sample_args
+        return self.sample_batch(forward_input, self.forward_model(forward_input))
+
+    @torch.inference_mode()
+    def forward_model(self, forward_input: ForwardInput) -> torch.Tensor:
+        """The model's half of a step: the logits of the batch (the last token of each request first, then
+        any prompt positions that asked for logprobs). `sample_batch` is the other half.
+
+        A step is split in two only when its masks are not known yet at launch (constrained rows under
+        overlap): the model needs no mask, so it runs while the host fills them.
+        """
+        batch = forward_input.batch
         batch.input_ids = self.token_pool[forward_input.input_mapping]
         with self.ctx.forward_batch(batch):
             if self.graph_runner.can_use(batch):
-                logits = self.graph_runner.replay(batch)
-            else:
-                logits = self.model.forward()
+                # the graph's output buffer: the next replay overwrites it, after this step's sampling in stream order
+                return self.graph_runner.replay(batch)
+            return self.model.forward()
+
+    @torch.inference_mode()
+    def sample_batch(self, forward_input: ForwardInput, logits: torch.Tensor) -> ForwardOutput:
+        """The sampling half of a step: the next tokens from `logits` (forward_model's), written back to the
+        token pool on the device and copied to the host, with the logprobs the requests ask for."""
+        batch, args = forward_input.batch, forward_input.sample_args
         next_tokens = self.sampler.sample(logits[: batch.size], args)
         if self.tp_info.size > 1:
             import torch.distributed as dist

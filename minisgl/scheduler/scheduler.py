@@ -25,7 +25,7 @@ from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import CacheStats, PendingReq
 from minisgl.utils.hf import eos_token_ids, load_tokenizer
 from minisgl.utils.logger import init_logger
-from minisgl.utils.torch_utils import create_stream, set_stream
+from minisgl.utils.torch_utils import create_stream, pin, set_stream
 from minisgl.utils.trace import TRACE
 
 logger = init_logger(__name__)
@@ -71,7 +71,7 @@ class Scheduler(SchedulerIOMixin):
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
         self._eos_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarManager(
-            self.tokenizer, self.engine.model_config.vocab_size, sorted(self.eos_token_ids)
+            self.tokenizer, self.engine.model_config.vocab_size, self._eos_ids, pin(self.device)
         )
         self.prefill_budget = config.max_extend_tokens
         # prompt logprobs of requests whose prompt is prefilled in chunks, gathered until the last chunk
@@ -99,30 +99,26 @@ class Scheduler(SchedulerIOMixin):
         """The overlap loop: launch step k+1, then handle step k's results while the device runs it.
 
         Batch k+1 is built before step k's tokens are known, so it may hold a request that step k
-        finished (an EOS): that result is dropped through finished_reqs. A row freed while a batch
-        in flight may still write it is handed out again only after that batch is done.
+        finished (an EOS, or its grammar's end): that result is dropped through finished_reqs. A row
+        freed while a batch in flight may still write it is handed out again only after that batch is done.
 
-        While a constrained request runs there is no overlap: its next mask needs this step's token,
-        so step k's results are handled before step k+1 is prepared.
+        A batch with constrained rows keeps the overlap too: its masks need step k's tokens, so only its
+        model runs before step k's results are handled, and its sampling is launched after (`_launch`).
         """
         self._defer_slot_free = True
-        if last_data is not None and self.grammars.active:
-            self._process_last_data(last_data)
-            last_data = None
         busy = self.prefill_manager.runnable or self.decode_manager.runnable
         blocking = last_data is None and not busy
         for msg in self.receive_all(blocking):
             self._process_one_msg(msg)
         forward_input = self._schedule_next_batch()
-        ongoing = None
-        if forward_input is not None:
-            with self.engine_stream_ctx:
-                ongoing = (forward_input, self._forward(forward_input))
-        self._inflight_reqs = ongoing[0].batch.reqs if ongoing is not None else []
-        self._process_last_data(last_data)
-        if ongoing is None:
-            self._release_deferred_slots()  # nothing is in flight: every freed row is safe to reuse
-        return ongoing
+        if forward_input is None:
+            self._inflight_reqs = []
+            self._process_last_data(last_data)
+            # nothing is in flight: every freed row is safe to reuse
+            self._release_deferred_slots()
+            return None
+        self._inflight_reqs = forward_input.batch.reqs
+        return self._launch(forward_input, last_data)
 
     def normal_loop(self) -> None:
         """The plain loop: receive, schedule, forward, wait, handle results. The CPU and the device take turns."""
@@ -132,11 +128,8 @@ class Scheduler(SchedulerIOMixin):
         for msg in self.receive_all(blocking):
             self._process_one_msg(msg)
         forward_input = self._schedule_next_batch()
-        ongoing = None
         if forward_input is not None:
-            with self.engine_stream_ctx:
-                ongoing = (forward_input, self._forward(forward_input))
-        self._process_last_data(ongoing)
+            self._process_last_data(self._launch(forward_input, None))
 
     def _schedule_next_batch(self) -> ForwardInput | None:
         TRACE.step_begin()
@@ -148,22 +141,43 @@ class Scheduler(SchedulerIOMixin):
         forward_input = None
         if batch is not None:
             self.cache_manager.allocate_paged(batch.reqs)
-            masks = self.grammars.fill_masks(batch.reqs)
-            forward_input = self.engine.prepare_batch(batch, masks, self._eos_ids)
+            # the masks of constrained rows come later, when the tokens before them are known (_launch)
+            forward_input = self.engine.prepare_batch(batch, self._eos_ids)
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
         return forward_input
 
-    def _forward(self, forward_input: ForwardInput) -> ForwardOutput:
-        TRACE.forward_begin()
-        output = self.engine.forward_batch(forward_input)
-        TRACE.forward_end()
+    def _launch(self, forward_input: ForwardInput, last_data: ForwardData | None) -> ForwardData:
+        """Launch step k+1 (`forward_input`) on the device and handle step k's results (`last_data`).
+
+        Without constrained rows the whole step is queued at once, then step k is handled. With them the
+        step is split: the model is queued, step k is handled while it runs (its tokens advance the
+        grammar matchers), the masks are filled from the matchers and copied on the scheduler's stream,
+        and the sampling is queued on the engine's stream behind that copy. Every rank takes the same
+        path, so each waits for a grammar's compile at the same point (filling a mask or accepting a token).
+        """
         batch = forward_input.batch
+        split = self.grammars.constrains(batch.reqs)
+        output: ForwardOutput | None = None
+        with self.engine_stream_ctx:
+            TRACE.forward_begin()
+            if split:
+                logits = self.engine.forward_model(forward_input)
+            else:
+                output = self.engine.forward_batch(forward_input)
+            TRACE.forward_end()
         for req in batch.reqs:
             req.complete_one()
         self.decode_manager.filter_reqs(batch.reqs)
-        return output
+        self._process_last_data(last_data)
+        if output is None:
+            self.engine.set_token_mask(forward_input, self.grammars.fill_masks(batch.reqs))
+            # the engine's stream waits for the scheduler's: the mask lands before the sampling reads it
+            with self.engine_stream_ctx:
+                output = self.engine.sample_batch(forward_input, logits)
+                TRACE.step_sampled()
+        return forward_input, output
 
     # ---- results -----------------------------------------------------------------------------
     def _process_last_data(self, last_data: ForwardData | None) -> None:

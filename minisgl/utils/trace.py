@@ -227,6 +227,18 @@ class Tracer:
         step.forward_end = self._tick()
         self._inflight.append(step)
 
+    def step_sampled(self) -> None:
+        """The sampling of the step launched last is queued, apart from its model (a batch with constrained
+        rows samples after the previous step's results): its device slice ends after the sampling."""
+        if not self.on or not self._inflight:
+            return
+        step = self._inflight[-1]
+        if step.cuda_events is not None:
+            import torch
+
+            step.cuda_events[1] = torch.cuda.Event(enable_timing=True)
+            step.cuda_events[1].record()
+
     def results_begin(self) -> None:
         if self.on:
             self._results = (self._tick(), {})
