@@ -140,6 +140,10 @@ def _log_tail(path: str | None, lines: int = 30) -> str:
     return ""
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def started_servers(args: argparse.Namespace, model_path: str | None) -> Iterator[list[Target]]:
     """The targets to measure: --base-url, or every server of --servers, started (in their own process
@@ -150,6 +154,8 @@ def started_servers(args: argparse.Namespace, model_path: str | None) -> Iterato
             Target(args.name, "other", base_url, wait_ready(base_url, None, args.startup_timeout), model_path)
         ]
         return
+    # `timeout` and the device's job control stop a run with SIGTERM: stop the servers then too
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -178,3 +184,4 @@ def started_servers(args: argparse.Namespace, model_path: str | None) -> Iterato
     finally:
         for proc in procs:
             stop(proc)
+        signal.signal(signal.SIGTERM, previous)
