@@ -92,12 +92,14 @@ for phase in $phases; do
         ;;
     dense)
         name=qwen3-32b-l$DENSE_LAYERS
+        [ "$CPU" = 1 ] && name=tiny-llama
         build "$name" qwen3-32b "$DENSE_LAYERS" 2>&1 | tail -1 | tee -a "$OUT/gpu_tp.txt"
         sweep "$name"
         rm -rf "${CKPT:?}/$name"
         ;;
     moe)
         name=qwen3-235b-a22b-l$MOE_LAYERS
+        [ "$CPU" = 1 ] && name=tiny-qwen3-moe
         build "$name" qwen3-235b-a22b "$MOE_LAYERS" 2>&1 | tail -1 | tee -a "$OUT/gpu_tp.txt"
         sweep "$name"
         rm -rf "${CKPT:?}/$name"
