@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -58,6 +59,7 @@ class RequestResult:
     output_tokens: int
     # None: no chunk carried text (the first tokens of a byte-level tokenizer may decode to nothing)
     ttft: float | None
+    input_tokens: int | None = None  # the server's count, where it reports usage
 
     @property
     def tpot(self) -> float | None:
@@ -87,6 +89,7 @@ class LevelResult:
             "errors": len(self.errors),
             "seconds": round(self.seconds, 2),
             "req_per_s": round(len(done) / self.seconds, 3),
+            "input_tokens": sum(r.input_tokens or 0 for r in done),
             "output_tokens": out_tokens,
             "output_tok_per_s": round(out_tokens / self.seconds, 1),
             "no_text": sum(r.ttft is None for r in done),
@@ -119,13 +122,14 @@ def request_body(t: Target, req: Request, temperature: float) -> dict[str, Any]:
         "max_tokens": req.output_len,
         "temperature": temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
     }
-    # each server honours its own way of fixing the output length
+    # each server honours its own way of fixing the output length; llama-cpp-python's server reports no
+    # usage in a stream, so its text is counted instead
     if t.kind == "llama.cpp":
         body["min_tokens"] = req.output_len
     else:
         body["ignore_eos"] = True
+        body["stream_options"] = {"include_usage": True}
     return body
 
 
@@ -153,7 +157,7 @@ async def one_request(t: Target, req: Request, temperature: float, start: float)
     tokens = usage["completion_tokens"] if usage else t.count_tokens("".join(text))
     if tokens < req.output_len:
         raise RuntimeError(f"short: {tokens} of {req.output_len} tokens")
-    return RequestResult(e2e, tokens, ttft)
+    return RequestResult(e2e, tokens, ttft, usage["prompt_tokens"] if usage else None)
 
 
 async def _guarded(t: Target, req: Request, temperature: float, start: float, level: LevelResult) -> None:
@@ -360,8 +364,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def raise_open_files_limit() -> None:
+    """As many open files as allowed: 1,000 requests at once are 1,000 sockets here and in the server,
+    which inherits the limit, and the usual soft limit is 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # an unlimited hard limit is still capped by the kernel's nr_open
+    want = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def main() -> None:
     args = parse_args()
+    raise_open_files_limit()
     path = served_model_path(args)
     plan = make_plan(args, model_vocab(path) if args.prompt_ids else None)
     if plan.closed:
@@ -373,10 +391,12 @@ def main() -> None:
         print(f"closed loop: {prompt}, {args.output_len} output tokens each, seed {args.seed}")
     if plan.rates:
         trace = plan.rates[0][1]
+        # a word prompt has as many words as the trace's length, about as many tokens
+        size = sum(len(r.prompt) if args.prompt_ids else len(r.prompt.split()) for r in trace)
         print(
-            f"trace: {len(trace)} requests, {'token-id' if args.prompt_ids else 'word'} prompts, seed {args.seed}; "
-            f"{trace_spec(args).describe()}; {sum(len(r.prompt) for r in trace) if args.prompt_ids else '-'} "
-            f"prompt tokens, {sum(r.output_len for r in trace)} output tokens"
+            f"trace: {len(trace)} requests, seed {args.seed}; {trace_spec(args).describe()}; "
+            f"{size} prompt {'tokens' if args.prompt_ids else 'words'}, {sum(r.output_len for r in trace)} "
+            "output tokens"
         )
     print(HEADER, flush=True)
     with started_servers(args, path) as targets:
@@ -392,7 +412,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             for r in results:
-                f.write(json.dumps(r.summary() | {"trace": trace_spec(args).describe()}) + "\n")
+                extra = {"trace": trace_spec(args).describe()} if r.level.startswith("rate") else {}
+                f.write(json.dumps(r.summary() | extra) + "\n")
     if lost or any(r.errors for r in results):
         sys.exit(1)
 
