@@ -81,6 +81,7 @@ class LevelResult:
     def summary(self) -> dict[str, Any]:
         done = self.results
         out_tokens = sum(r.output_tokens for r in done)
+        seconds = max(self.seconds, 1e-9)
         out: dict[str, Any] = {
             "server": self.server,
             "level": self.level,
@@ -88,10 +89,10 @@ class LevelResult:
             "completed": len(done),
             "errors": len(self.errors),
             "seconds": round(self.seconds, 2),
-            "req_per_s": round(len(done) / self.seconds, 3),
+            "req_per_s": round(len(done) / seconds, 3),
             "input_tokens": sum(r.input_tokens or 0 for r in done),
             "output_tokens": out_tokens,
-            "output_tok_per_s": round(out_tokens / self.seconds, 1),
+            "output_tok_per_s": round(out_tokens / seconds, 1),
             "no_text": sum(r.ttft is None for r in done),
         }
         series = {
@@ -160,9 +161,14 @@ async def one_request(t: Target, req: Request, temperature: float, start: float)
     return RequestResult(e2e, tokens, ttft, usage["prompt_tokens"] if usage else None)
 
 
+# a request that takes longer is an error (TimeoutError), so a stuck stream cannot hang the run
+REQUEST_TIMEOUT_S = 1800.0
+
+
 async def _guarded(t: Target, req: Request, temperature: float, start: float, level: LevelResult) -> None:
     try:
-        level.results.append(await one_request(t, req, temperature, start))
+        result = await asyncio.wait_for(one_request(t, req, temperature, start), REQUEST_TIMEOUT_S)
+        level.results.append(result)
     except Exception as e:  # noqa: BLE001 - every failure is counted and reported, none stops the level
         level.errors.append(f"{type(e).__name__}: {e}"[:300])
 
@@ -196,7 +202,8 @@ async def run_rate(t: Target, reqs: list[Request], rate: float, temperature: flo
 
 @dataclass
 class Plan:
-    """Every level of the run with its requests: ("c=4", 4, requests) or ("rate=inf", inf, requests)."""
+    """The requests of every level: (concurrency, requests) and (rate, requests); every rate has the
+    same requests."""
 
     closed: list[tuple[int, list[Request]]]
     rates: list[tuple[float, list[Request]]]
