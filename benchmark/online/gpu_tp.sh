@@ -6,6 +6,9 @@
 #   check  greedy completions of a tiny llama through the server at tp=$TP equal tp=1's (tp_check.py)
 #   dense  Qwen3-32B's exact shape (64 layers), or $DENSE_LAYERS of them
 #   moe    a Qwen3-235B-A22B-shaped MoE (128 experts, top-8) with $MOE_LAYERS of its 94 layers
+#   small  (not run by default) the Qwen3-0.6B shape at tp=1, closed loop at 1, 64, 256 and 512 clients
+#          on issue 14's requests (U[100, 1024] token-id prompts, 256 output tokens, temperature 0.6),
+#          with LLM.generate's figure on the same requests beside each level
 # Settings (environment):
 #   TP=4                 the tensor-parallel size (default)
 #   TP=2 SMALL=1         for a 2-GPU machine: 16 dense layers, 4 MoE layers
@@ -13,7 +16,7 @@
 #                        the script's logic where no GPU is
 #   RATES="16 inf"       request rates (CPU: "4 inf"); NUM_REQUESTS=1000 (CPU: 16); OFFLINE=1 adds
 #                        LLM.generate's figure on the same requests
-#   DENSE_LAYERS, MOE_LAYERS   override the layer counts
+#   DENSE_LAYERS, MOE_LAYERS   override the layer counts; CONCURRENCY="64 256" adds closed-loop levels
 # Every step runs under `timeout`; results (JSON lines, text, server output) go to $OUT (or ./out).
 # Python packages the machine lacks are installed from ./.whl if present and put on PYTHONPATH, which
 # the servers the benchmark starts inherit.
@@ -28,6 +31,7 @@ else
     TP=${TP:-4} NUM_REQUESTS=${NUM_REQUESTS:-1000} RATES=${RATES:-16 inf}
 fi
 OFFLINE=${OFFLINE:-0}
+CONCURRENCY=${CONCURRENCY:-}
 CKPT=${CKPT:-/tmp/ckpt}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -76,7 +80,7 @@ sweep() {
     # -s TERM: bench.py stops its server on SIGTERM; -k: a last resort if it does not
     # shellcheck disable=SC2086
     timeout -s TERM -k 60 "$SWEEP_S" python benchmark/online/bench.py \
-        --minisgl-args "--model $CKPT/$name --tp-size $TP $ENGINE" --prompt-ids --concurrency \
+        --minisgl-args "--model $CKPT/$name --tp-size $TP $ENGINE" --prompt-ids --concurrency $CONCURRENCY \
         --request-rates $RATES --num-requests "$NUM_REQUESTS" $TRACE $offline \
         --json "$OUT/online_$name.jsonl" --server-log "$OUT/server_$name" 2>&1 |
         grep -v "Warning\|return func" | tee "$OUT/online_$name.txt"
@@ -104,8 +108,21 @@ for phase in $phases; do
         sweep "$name"
         rm -rf "${CKPT:?}/$name"
         ;;
+    small)
+        name=qwen3-0.6b
+        [ "$CPU" = 1 ] && name=tiny-llama-small
+        build "$name" qwen3-0.6b 28 2>&1 | tail -1 | tee -a "$OUT/gpu_tp.txt"
+        small_levels="1 64 256 512" small_len=256 small_range="--min-len 100 --max-len 1024"
+        [ "$CPU" = 1 ] && small_levels="1 4" small_len=16 small_range="--min-len 16 --max-len 64"
+        # shellcheck disable=SC2086
+        timeout -s TERM -k 60 "$SWEEP_S" python benchmark/online/bench.py \
+            --minisgl-args "--model $CKPT/$name $ENGINE" --prompt-ids $small_range --concurrency $small_levels \
+            --requests-per-level 1 --min-requests 1 --output-len $small_len --temperature 0.6 --offline \
+            --json "$OUT/online_$name.jsonl" --server-log "$OUT/server_$name" 2>&1 |
+            grep -v "Warning\|return func" | tee "$OUT/online_$name.txt"
+        ;;
     *)
-        echo "unknown phase $phase (check, dense, moe)"
+        echo "unknown phase $phase (check, dense, moe, small)"
         exit 2
         ;;
     esac
