@@ -40,6 +40,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -387,6 +388,8 @@ def raise_open_files_limit() -> None:
 def main() -> None:
     args = parse_args()
     raise_open_files_limit()
+    # `timeout` stops a run with SIGTERM: exit through every `finally`, so servers and engines shut down
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     path = served_model_path(args)
     plan = make_plan(args, model_vocab(path) if args.prompt_ids else None)
     if plan.closed:
