@@ -2,14 +2,17 @@
 
     python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b
 The weights are drawn on the GPU where there is one (an 8B model takes seconds there, minutes on a
-CPU) and saved in bf16 with a small byte-level tokenizer, so `LLM(folder)` and transformers load it.
+CPU) and saved in bf16 with a tokenizer that has one word for every id of the vocabulary ("w1234"),
+so `LLM(folder)` and transformers load it, and every generated token is text: a server streams a
+chunk for each, as it does for a real model (with a small byte-level tokenizer most random ids
+decode to nothing, and a server measured on them would skip most of its output path).
+`--layers N` builds fewer layers than the real shape; say so beside any figure it gives.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -69,7 +72,70 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen3-32B's shape: dense, 64 layers, untied LM head
+    "qwen3-32b": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_hidden_layers=64,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Qwen3-235B-A22B's shape: 94 sparse layers of 128 experts, 8 routed per token (470 GB in bf16:
+    # build it with --layers)
+    "qwen3-235b-a22b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_vocab_tokenizer(folder: str, vocab_size: int) -> Any:
+    """A tokenizer with a word for each id: three special tokens, then "w3" ... "w{vocab_size - 1}",
+    split on spaces, decoded with a space between words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
 
 
 def build(shape: str, folder: str, seed: int = 0, layers: int | None = None) -> str:
@@ -78,15 +144,11 @@ def build(shape: str, folder: str, seed: int = 0, layers: int | None = None) -> 
 
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    # the tiny byte-level tokenizer of the tests: prompts are token ids, the text is never read
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-    from tiny import build_tokenizer
-
     arch, kwargs = SHAPES[shape]
     if layers is not None:
         kwargs = {**kwargs, "num_hidden_layers": layers}
     os.makedirs(folder, exist_ok=True)
-    tok = build_tokenizer(folder)
+    tok = build_vocab_tokenizer(folder, kwargs["vocab_size"])
     config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch](
         **kwargs, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id
     )
@@ -106,7 +168,9 @@ def main() -> None:
     args = p.parse_args()
     start = time.perf_counter()
     build(args.shape, args.folder, layers=args.layers)
-    print(f"{args.shape} checkpoint in {args.folder} ({time.perf_counter() - start:.1f} s)")
+    layers = SHAPES[args.shape][1]["num_hidden_layers"]
+    fewer = f", {args.layers} of its {layers} layers" if args.layers is not None else ""
+    print(f"{args.shape} checkpoint{fewer} in {args.folder} ({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
