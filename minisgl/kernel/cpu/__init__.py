@@ -176,10 +176,11 @@ def rms_norm_bf16(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) of bf16 [..., N] tensors, or (norm(x), x) without a residual."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
+    x2 = x if x.dim() == 2 else x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    weight = weight.to(torch.bfloat16).contiguous()
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        weight = weight.to(torch.bfloat16).contiguous()
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=torch.bfloat16)
     res_out = x
