@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import use_triton
 
 
@@ -15,8 +14,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from minisgl.kernel.activation import silu_and_mul as fused
 
         return fused(x)
-    lib = cpu_kernels.elementwise_lib(x)
-    if lib is not None and x.dim() == 2:
-        return cpu_kernels.silu_and_mul_bf16(lib, x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

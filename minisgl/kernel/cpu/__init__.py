@@ -102,8 +102,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_bf16.restype = None
     lib.rotary_bf16.argtypes = [p, p, p, p, i64, i32, i32, i32, i64, i64, i32]
     lib.rotary_bf16.restype = None
-    lib.silu_and_mul_bf16.argtypes = [p, p, i64, i32, i64, i32]
-    lib.silu_and_mul_bf16.restype = None
 
 
 def decode_attention(
@@ -228,13 +226,3 @@ def rotary_bf16(
         torch.get_num_threads(),
     )
     return q, k
-
-
-def silu_and_mul_bf16(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
-    """x: bf16 [T, 2I] holding gate|up -> silu(gate) * up [T, I]."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    t, i = x.shape[0], x.shape[1] // 2
-    y = torch.empty((t, i), dtype=torch.bfloat16)
-    lib.silu_and_mul_bf16(x.data_ptr(), y.data_ptr(), t, i, x.stride(0), torch.get_num_threads())
-    return y
