@@ -14,6 +14,7 @@ from tiny import assert_nothing_held, build_model, random_prompts
 
 from minisgl.core import SamplingParams
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding, _apply
 from minisgl.llm import LLM
 
@@ -91,3 +92,13 @@ def test_bf16_greedy_tokens_are_those_of_the_torch_ops(
     with_kernels = run()
     monkeypatch.setattr(cpu_kernels, "elementwise_lib", lambda x: None)
     assert with_kernels == run()
+
+
+def test_a_norm_over_mixed_dtypes_keeps_torch_promotion() -> None:
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    residual = torch.randn(2, 64)
+    y, new_residual = norm.forward_with_residual(x, residual)
+    assert y.dtype == new_residual.dtype == torch.float32
+    assert torch.equal(new_residual, x + residual)

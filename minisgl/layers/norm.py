@@ -15,7 +15,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return fused(x, weight, eps)
     lib = cpu_kernels.elementwise_lib(x)
-    if lib is not None:
+    if lib is not None and weight.dtype == x.dtype:
         return cpu_kernels.rms_norm_bf16(lib, x, None, weight, eps)[0]
     # computed in float32 as transformers does, so float32 and bf16 runs match the reference
     dtype = x.dtype
@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
 
             return rms_norm_residual(x, residual, self.weight, self.eps)
         lib = cpu_kernels.elementwise_lib(x)
-        if lib is not None:
+        # mixed dtypes promote in torch; the kernel reads bf16 only
+        same = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+        if lib is not None and same:
             return cpu_kernels.rms_norm_bf16(lib, x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual

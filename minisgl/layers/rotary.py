@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
 
             return apply_rotary(positions, q, k, self.cos_sin)
         lib = cpu_kernels.elementwise_lib(q)
-        if lib is not None and q.stride(1) == self.head_dim and k.stride(1) == self.head_dim:
+        if lib is not None and k.dtype == q.dtype and q.stride(1) == k.stride(1) == self.head_dim:
             # in place: q and k are views of this layer's own qkv projection output
             return cpu_kernels.rotary_bf16(lib, positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)

@@ -177,8 +177,8 @@ def rms_norm_bf16(
     x2 = x if x.dim() == 2 else x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-        weight = weight.to(torch.bfloat16).contiguous()
+    assert weight.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
+    weight = weight.contiguous()
     rows = x2.shape[0]
     y = torch.empty((rows, n), dtype=torch.bfloat16)
     res_out = x
@@ -207,7 +207,10 @@ def rotary_bf16(
     lib: ctypes.CDLL, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates bf16 q [T, Hq, D] and k [T, Hk, D] in place (heads contiguous, tokens strided, as the
-    views of a qkv projection are) by the rows of cos_sin [P, 2D] float32 at `positions` [T]."""
+    views of a qkv projection are) by the rows of cos_sin [P, 2D] float32 at `positions` [T].
+
+    Positions are not checked against P: the engine's are below max_seq_len, the table's length.
+    """
     t, hq, d = q.shape
     assert q.stride(2) == 1 and q.stride(1) == d and k.stride(2) == 1 and k.stride(1) == d
     assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == 2 * d
