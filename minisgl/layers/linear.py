@@ -52,12 +52,16 @@ class QuantizableLinear(nn.Module):
             self.weight = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is None or (self.weight is not None and x.numel() // x.shape[-1] > self.max_rows):
-            assert self.weight is not None
-            return linear(x, self.weight)
+        # read once: every nn.Module attribute read of a parameter or submodule is a slow lookup
+        qweight, weight = self.qweight, self.weight
+        if qweight is None or (weight is not None and x.numel() // x.shape[-1] > self.max_rows):
+            assert weight is not None
+            return linear(x, weight)
+        if x.dim() == 2:
+            return qweight.matmul(x)
         shape = x.shape
-        y = self.qweight.matmul(x.reshape(-1, shape[-1]))
-        return y.reshape(*shape[:-1], self.qweight.out_features)
+        y = qweight.matmul(x.reshape(-1, shape[-1]))
+        return y.reshape(*shape[:-1], qweight.out_features)
 
 
 class LinearReplicated(QuantizableLinear):

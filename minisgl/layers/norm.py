@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import use_triton
 
 
@@ -13,6 +14,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from minisgl.kernel.norm import rms_norm as fused
 
         return fused(x, weight, eps)
+    lib = cpu_kernels.elementwise_lib(x)
+    if lib is not None and weight.dtype == x.dtype:
+        return cpu_kernels.rms_norm_bf16(lib, x, None, weight, eps)[0]
     # computed in float32 as transformers does, so float32 and bf16 runs match the reference
     dtype = x.dtype
     xf = x.float()
@@ -37,6 +41,11 @@ class RMSNorm(nn.Module):
             from minisgl.kernel.norm import rms_norm_residual
 
             return rms_norm_residual(x, residual, self.weight, self.eps)
+        lib = cpu_kernels.elementwise_lib(x)
+        # mixed dtypes promote in torch; the kernel reads bf16 only
+        same = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+        if lib is not None and same:
+            return cpu_kernels.rms_norm_bf16(lib, x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x

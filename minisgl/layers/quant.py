@@ -86,6 +86,9 @@ class Int4Weight(QuantizedWeight):
         return cls(codes, scale, lo)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.is_contiguous():
+            # the decode step's case: no conversions to dispatch
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP, self.scale_zero
         )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import use_triton
 from minisgl.layers.norm import RMSNorm
 
@@ -54,6 +55,10 @@ class RotaryEmbedding(nn.Module):
             from minisgl.kernel.rotary import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos_sin)
+        lib = cpu_kernels.elementwise_lib(q)
+        if lib is not None and k.dtype == q.dtype and q.stride(1) == k.stride(1) == self.head_dim:
+            # in place: q and k are views of this layer's own qkv projection output
+            return cpu_kernels.rotary_bf16(lib, positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 

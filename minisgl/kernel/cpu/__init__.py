@@ -23,7 +23,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["attention.c", "linear.c"]
+_SOURCES = ["attention.c", "elementwise.c", "linear.c"]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -98,6 +98,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_attention.restype = None
     lib.linear_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
     lib.linear_bf16.restype = None
+    lib.rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i32, i64, f32, i32]
+    lib.rms_norm_bf16.restype = None
+    lib.rotary_bf16.argtypes = [p, p, p, p, i64, i32, i32, i32, i64, i64, i32]
+    lib.rotary_bf16.restype = None
 
 
 def decode_attention(
@@ -153,3 +157,75 @@ def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
     y = torch.empty(m, n, dtype=torch.float32)
     lib.linear_bf16(xf.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y.to(x.dtype)
+
+
+def elementwise_lib(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels for the small ops of a layer (elementwise.c) where they serve `x`: bf16 on the CPU.
+
+    float32 keeps the torch ops, the reference the tests compare with transformers.
+    """
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return library()
+
+
+def rms_norm_bf16(
+    lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) of bf16 [..., N] tensors, or (norm(x), x) without a residual."""
+    n = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    assert weight.dtype == torch.bfloat16 and (residual is None or residual.dtype == torch.bfloat16)
+    weight = weight.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    res_out = x
+    res_ptr = out_ptr = None
+    if residual is not None:
+        residual = residual.reshape(-1, n).contiguous()
+        res_out = torch.empty((rows, n), dtype=torch.bfloat16)
+        res_ptr, out_ptr = residual.data_ptr(), res_out.data_ptr()
+        res_out = res_out.view(x.shape)
+    lib.rms_norm_bf16(
+        x2.data_ptr(),
+        res_ptr,
+        y.data_ptr(),
+        out_ptr,
+        weight.data_ptr(),
+        rows,
+        n,
+        x2.stride(0),
+        eps,
+        torch.get_num_threads(),
+    )
+    return y.view(x.shape), res_out
+
+
+def rotary_bf16(
+    lib: ctypes.CDLL, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates bf16 q [T, Hq, D] and k [T, Hk, D] in place (heads contiguous, tokens strided, as the
+    views of a qkv projection are) by the rows of cos_sin [P, 2D] float32 at `positions` [T].
+
+    Positions are not checked against P: the engine's are below max_seq_len, the table's length.
+    """
+    t, hq, d = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == d and k.stride(2) == 1 and k.stride(1) == d
+    assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == 2 * d
+    positions = positions.to(torch.int64).contiguous()
+    lib.rotary_bf16(
+        q.data_ptr(),
+        k.data_ptr(),
+        positions.data_ptr(),
+        cos_sin.data_ptr(),
+        t,
+        hq,
+        k.shape[1],
+        d,
+        q.stride(0),
+        k.stride(0),
+        torch.get_num_threads(),
+    )
+    return q, k
