@@ -73,6 +73,13 @@ class RequestGroup:
         """The next reply of any sub-request, with the sub-request's index."""
         return await self.queue.get()
 
+    async def get_all(self) -> list[tuple[int, UserReply]]:
+        """Every reply waiting (at least one: the next is waited for), in order of arrival."""
+        out = [await self.queue.get()]
+        while not self.queue.empty():
+            out.append(self.queue.get_nowait())
+        return out
+
     def close(self) -> None:
         """The call is over: abort every sub-request that has not finished. Safe to call twice."""
         if not self.closed:
