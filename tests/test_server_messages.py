@@ -50,3 +50,16 @@ def test_an_unknown_class_cannot_be_sent() -> None:
 def test_an_unknown_type_tag_is_refused_on_receipt() -> None:
     with pytest.raises(ValueError, match="unknown message type"):
         deserialize(msgpack.packb({"__msg__": "os.system", "command": "true"}))
+
+
+def test_fields_at_their_defaults_do_not_travel_but_come_back() -> None:
+    plain = DetokenizeMsg(5, 42, False)
+    assert set(msgpack.unpackb(serialize(plain))) == {"__msg__", "uid", "next_token", "finished"}
+    assert deserialize(serialize(plain)) == plain
+    # a value equal to the default but of another type is not the default: it travels as it is
+    odd = UserReply(1, "", False, prompt_tokens=False, cached_tokens=0.0)  # type: ignore[arg-type]
+    back = deserialize(serialize(odd))
+    assert back.prompt_tokens is False and type(back.cached_tokens) is float
+    # a list left empty comes back as a new list of its own, not one shared with other messages
+    a, b = deserialize(serialize([TokenizeMsg([PARAMS], text="x"), TokenizeMsg([PARAMS], text="y")]))
+    assert a.uids == [] and a.uids is not b.uids
