@@ -7,10 +7,10 @@ import asyncio
 import json
 from typing import Any
 
-from minisgl.message.frontend import TokenLogprob, UserReply
+from minisgl.message.frontend import TokenLogprob, UserReply, merge_replies
 from minisgl.server.api_server import ChatFormat, Choice, CompletionFormat, _stream
 from minisgl.server.client import RequestGroup
-from minisgl.server.coalesce import coalesce, merge
+from minisgl.server.coalesce import coalesce
 
 
 def _token(i: int) -> TokenLogprob:
@@ -40,7 +40,7 @@ def _replies(uid: int, words: list[str], prompt_tokens: int = 3) -> list[UserRep
 
 def test_merged_replies_carry_every_token_and_the_latest_counts() -> None:
     a, b, c = _replies(0, ["a", "b", "c"])
-    m = merge(merge(a, b), c)
+    m = merge_replies(merge_replies(a, b), c)
     assert m.text == "abc" and m.token_ids == [0, 1, 2]
     assert [t.token_id for t in m.logprobs or []] == [0, 1, 2]
     assert m.completion_tokens == 3 and m.finished and m.finish_reason == "length"

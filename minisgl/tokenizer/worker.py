@@ -30,6 +30,7 @@ from minisgl.message.frontend import (
     TokensMsg,
     TokensReply,
     UserReply,
+    merge_replies,
 )
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
@@ -188,6 +189,7 @@ class TokenizerWorker:
         replies: list[Any] = []
         stats: SchedulerStats | None = None
         step: list[tuple[_Request, DetokenizeMsg]] = []
+        behind = False
         for msg in (m for batch in batches for m in batch):
             if isinstance(msg, SchedulerStats):
                 stats = msg  # only the newest counts
@@ -196,13 +198,19 @@ class TokenizerWorker:
                 if req is not None and req.in_step:
                     # a second step of this request arrived in the same drain: finish the first step first
                     replies += self._detokenize(step)
-                    step = []
+                    step, behind = [], True
                     req = self.requests.get(msg.uid)
                 if req is None:
                     continue  # ended here already (a stop string, or an abort): late messages are dropped
                 req.in_step = True
                 step.append((req, msg))
         replies += self._detokenize(step)
+        if behind:
+            # several steps came at once: the API server gets one reply a request, not one a token
+            merged: dict[int, UserReply] = {}
+            for r in replies:
+                merged[r.uid] = merge_replies(merged[r.uid], r) if r.uid in merged else r
+            replies = list(merged.values())
         if stats is not None:
             replies.append(stats)
         if replies:
