@@ -22,7 +22,7 @@ from minisgl.message.frontend import (
     TokensReply,
     UserReply,
 )
-from minisgl.message.tokenizer import DetokenizeMsg
+from minisgl.message.tokenizer import DetokenizeMsg, TokenStepMsg
 
 _TAG = "__msg__"
 _CLASSES: dict[str, type] = {
@@ -34,6 +34,7 @@ _CLASSES: dict[str, type] = {
         ExitMsg,
         BatchBackendMsg,
         DetokenizeMsg,
+        TokenStepMsg,
         TokenizeMsg,
         AbortMsg,
         TokenLogprob,

@@ -32,6 +32,7 @@ from minisgl.message.frontend import (
     UserReply,
     merge_replies,
 )
+from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
 from minisgl.tokenizer.tokenize import TokenizeManager
@@ -190,7 +191,7 @@ class TokenizerWorker:
         stats: SchedulerStats | None = None
         step: list[tuple[_Request, DetokenizeMsg]] = []
         behind = False
-        for msg in (m for batch in batches for m in batch):
+        for msg in (m for batch in batches for m in unpack_step(batch)):
             if isinstance(msg, SchedulerStats):
                 stats = msg  # only the newest counts
             elif isinstance(msg, DetokenizeMsg):
