@@ -2,8 +2,9 @@
 scheduler's tokens come back to the API server as text.
 
 One process does both directions, polling two sockets: requests (TokenizeMsg, AbortMsg) from the
-API server and DetokenizeMsg batches from the scheduler. Each scheduler step becomes one message
-to the API server, so a busy step costs one hop, not one per request.
+API server and a message a step from the scheduler. Each scheduler step becomes one message to the
+API server, so a busy step costs one hop, not one per request; its tokens are decoded in one call
+(`step_batch`), and steps that arrived together leave as one reply a request.
 
 No call may hold up the others: prompts wait in one queue per API call and are tokenized in turns,
 one prompt of each call at a time, in slices of a few milliseconds between polls of the sockets. A
