@@ -67,7 +67,7 @@ def _run_stream(fmt: Any, n: int, replies: list[tuple[int, UserReply]]) -> list[
         first = [next((i, r) for i, r in replies if i == c) for c in range(n)]
         for item in replies:
             if item not in first:
-                group.queue.put_nowait(item)
+                group.put(*item)
         watcher = asyncio.get_running_loop().create_future()
         return [w async for w in _stream(group, watcher, first, [Choice() for _ in range(n)], fmt)]
 
