@@ -60,11 +60,7 @@ class IncrementalDetokenizer:
 
     def add(self, token: int) -> str:
         """Take the next token; return the text that can be shown now (maybe empty)."""
-        self.ids.append(token)
-        if self.lazy:
-            return ""
-        self._decode_new(final=False)
-        return self._release(final=False)
+        return self.step(DetokenizeMsg(-1, token, False)).text
 
     def finish(self) -> str:
         """The request has ended: return every character still held back."""
