@@ -5,7 +5,8 @@ through the three hops the server gives it, each timed alone in this one process
 1. the scheduler's encoding of the step (`ZmqSchedulerIO.send_result` without the socket);
 2. the tokenizer worker: decode the step's message, detokenize, build and encode the replies;
 3. the API server: decode the worker's message, count each reply (`EngineClient._dispatch`), and run
-   N `/v1/completions` streams to their SSE text (the HTTP write itself, h11 and the socket, not included).
+   N `/v1/completions` streams to their SSE text (the HTTP write itself, h11 and the socket, not included);
+   with `--behind K`, K steps arrive before the streams run, as when the server has fallen behind.
 The figures are CPU milliseconds a step (the thread's own time, so other load on the machine does not
 count) and the tokens a second each hop could pass on alone, with a core to itself; the engine's step
 time (about 7 ms at batch 256 on an H200 for the 0.6B shape) is what they must stay well under.
@@ -89,9 +90,10 @@ def run_worker(
     return times, sent
 
 
-async def run_api(folder: str, streams: int, replies: list[bytes]) -> list[float]:
+async def run_api(folder: str, streams: int, replies: list[bytes], behind: int) -> tuple[list[float], float]:
     client = EngineClient(ipc_addr(folder, "api-requests"), ipc_addr(folder, "api-replies"))
     written = [0] * streams
+    writes = [0]
 
     async def one(i: int) -> None:
         fmt = CompletionFormat("m", 1, include_usage=False)
@@ -100,29 +102,37 @@ async def run_api(folder: str, streams: int, replies: list[bytes]) -> list[float
         watcher = asyncio.get_running_loop().create_future()
         async for piece in _stream(group, watcher, first, [Choice()], fmt):
             written[i] += len(piece.encode())
+            writes[0] += 1
 
     tasks = [asyncio.create_task(one(i)) for i in range(streams)]
     await asyncio.sleep(0)
     times = []
-    for data in replies:
+    for k in range(0, len(replies), behind):
         start = time.thread_time()
-        for msg in deserialize(data):
-            if not isinstance(msg, SchedulerStats):
-                client._dispatch(msg)
+        for data in replies[k : k + behind]:
+            for msg in deserialize(data):
+                if not isinstance(msg, SchedulerStats):
+                    client._dispatch(msg)
         for _ in range(3):  # every woken stream writes its chunk
             await asyncio.sleep(0)
-        times.append(time.thread_time() - start)
+        times.append((time.thread_time() - start) / len(replies[k : k + behind]))
     for t in tasks:
         t.cancel()
     client.close()
     assert all(written), "every stream wrote"
-    return times
+    return times, writes[0] / streams / len(replies)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, nargs="+", default=[64, 256])
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument(
+        "--behind",
+        type=int,
+        default=1,
+        help="steps that reach the API server before its streams run (a server that has fallen behind)",
+    )
     args = p.parse_args()
     tokenizer = load_tokenizer(resolve_model_path(None))
     print(f"{'streams':>7} | {'hop':<28} | {'CPU ms a step':>13} | {'tokens/s alone':>14}")
@@ -135,7 +145,7 @@ def main() -> None:
             encode.append(time.thread_time() - start)
         with tempfile.TemporaryDirectory() as folder:
             worker, sent = run_worker(tokenizer, folder, n, steps)
-            api = asyncio.run(run_api(folder, n, sent))
+            api, writes = asyncio.run(run_api(folder, n, sent, args.behind))
         for name, times in (
             ("scheduler: encode the step", encode),
             ("worker: detokenize the step", worker[1:]),
@@ -143,6 +153,7 @@ def main() -> None:
         ):
             ms = statistics.median(times) * 1000
             print(f"{n:>7} | {name:<28} | {ms:>13.2f} | {n / ms * 1000:>14.0f}", flush=True)
+        print(f"{n:>7} | {'SSE writes a stream a step':<28} | {writes:>13.2f} |", flush=True)
 
 
 if __name__ == "__main__":

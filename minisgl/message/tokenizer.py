@@ -62,11 +62,5 @@ def unpack_step(msgs: list[Any]) -> list[Any]:
 
 
 def _plain(m: DetokenizeMsg) -> bool:
-    return (
-        not m.finished
-        and m.next_token >= 0
-        and m.prompt_tokens == 0
-        and m.logprob is None
-        and m.prompt_logprobs is None
-        and m.error is None
-    )
+    """A token and nothing else: every other field at its default (a field added later is kept apart)."""
+    return m.next_token >= 0 and m == DetokenizeMsg(m.uid, m.next_token, False)
