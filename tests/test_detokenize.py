@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from tiny import build_tokenizer
 
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.message import DetokenizeMsg
+from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, decode_all, step_batch
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +97,43 @@ def test_a_partial_stop_string_at_the_end_is_released(tokenizer: Any) -> None:
     pieces, tail = stream(tokenizer, ids, ["world"])
     assert "".join(pieces) == "hello "
     assert tail == "wor"
+
+
+def _msgs_of(uid: int, ids: list[int], reason: str) -> list[DetokenizeMsg]:
+    """The scheduler's messages for a request whose last token ends it with `reason`."""
+    return [
+        DetokenizeMsg(uid, t, k == len(ids) - 1, reason if k == len(ids) - 1 else None)
+        for k, t in enumerate(ids)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_batched_step_gives_each_request_what_its_own_steps_give(tokenizer: Any, seed: int) -> None:
+    """Requests of different lengths, stop strings, special tokens and unfinished characters, stepped
+    together (one decode call a step) and one at a time, show the same pieces and end the same way."""
+    rng = random.Random(500 + seed)
+    streams = []
+    for uid in range(12):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        ids[rng.randrange(len(ids)) :] = tokenizer.encode("é🙂 stop here")[: rng.randint(0, 6)] or ids[-1:]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = [text[len(text) // 2 : len(text) // 2 + 2]] if uid % 3 == 0 and len(text) > 4 else None
+        streams.append((stop, _msgs_of(uid, ids, rng.choice(["length", "stop"]))))
+    alone = [IncrementalDetokenizer(tokenizer, stop) for stop, _ in streams]
+    together = [IncrementalDetokenizer(tokenizer, stop) for stop, _ in streams]
+    expected = [[d.step(m) for m in msgs if not d.stopped] for d, (_, msgs) in zip(alone, streams)]
+    got: list[list[DetokenizeStep]] = [[] for _ in streams]
+    for k in range(max(len(msgs) for _, msgs in streams)):
+        step = [
+            (i, msgs[k]) for i, (_, msgs) in enumerate(streams) if k < len(msgs) and not together[i].stopped
+        ]
+        for (i, _), result in zip(step, step_batch(tokenizer, [(together[i], m) for i, m in step])):
+            got[i].append(result)
+    assert got == expected
+    assert any(d.stopped for d in together)  # the stop strings were met, not only looked for
+
+
+def test_decode_all_is_the_tokenizers_own_decode(tokenizer: Any) -> None:
+    rng = random.Random(7)
+    seqs = [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 9))] for _ in range(50)]
+    assert decode_all(tokenizer, seqs) == [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from minisgl.core import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -66,6 +68,29 @@ class UserReply:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def merge_replies(first: UserReply, later: UserReply) -> UserReply:
+    """One reply saying what `first` and then `later` (of the same request) said: text, log-probabilities
+    and token ids add up, the counts and the finish are the later's, the prompt's fields the first's."""
+    return replace(
+        later,
+        text=first.text + later.text,
+        logprobs=_joined(first.logprobs, later.logprobs),
+        token_ids=_joined(first.token_ids, later.token_ids),
+        # the prompt's fields come with a request's first reply only
+        prompt_token_ids=first.prompt_token_ids
+        if first.prompt_token_ids is not None
+        else later.prompt_token_ids,
+        prompt_text=first.prompt_text if first.prompt_text is not None else later.prompt_text,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+    )
+
+
+def _joined(a: list[T] | None, b: list[T] | None) -> list[T] | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
 
 
 @dataclass

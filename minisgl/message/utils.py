@@ -22,7 +22,7 @@ from minisgl.message.frontend import (
     TokensReply,
     UserReply,
 )
-from minisgl.message.tokenizer import DetokenizeMsg
+from minisgl.message.tokenizer import DetokenizeMsg, TokenStepMsg
 
 _TAG = "__msg__"
 _CLASSES: dict[str, type] = {
@@ -34,6 +34,7 @@ _CLASSES: dict[str, type] = {
         ExitMsg,
         BatchBackendMsg,
         DetokenizeMsg,
+        TokenStepMsg,
         TokenizeMsg,
         AbortMsg,
         TokenLogprob,
@@ -45,12 +46,37 @@ _CLASSES: dict[str, type] = {
 }
 
 
+def _defaults(cls: type) -> list[tuple[str, Any]]:
+    """Each field's name and the value it takes when left out (_REQUIRED where it has none)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, f.default_factory()))
+        else:
+            out.append((f.name, _REQUIRED))
+    return out
+
+
+_REQUIRED = object()
+# a field at its default is left out: a message of a token and a uid travels as three entries, not fourteen
+_FIELDS: dict[type, list[tuple[str, Any]]] = {cls: _defaults(cls) for cls in _CLASSES.values()}
+
+
 def _encode(obj: Any) -> dict[str, Any]:
-    cls = type(obj)
-    if cls.__name__ not in _CLASSES or _CLASSES[cls.__name__] is not cls:
-        raise TypeError(f"{cls.__name__} is not a message type that can be sent")
-    out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    out[_TAG] = cls.__name__
+    fields = _FIELDS.get(type(obj))
+    if fields is None:
+        raise TypeError(f"{type(obj).__name__} is not a message type that can be sent")
+    out: dict[str, Any] = {_TAG: type(obj).__name__}
+    for name, default in fields:
+        value = getattr(obj, name)
+        # `is` first: most fields hold the default object itself (None, 0, False)
+        if value is default or (
+            default is not _REQUIRED and type(value) is type(default) and value == default
+        ):
+            continue
+        out[name] = value
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.message import BaseBackendMsg
+from minisgl.message.tokenizer import pack_step
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.process import release_free_memory
@@ -24,7 +25,9 @@ class ZmqSchedulerIO:
         return msgs + self._requests.drain()
 
     def send_result(self, reply: list[Any]) -> None:
-        self._replies.put(reply)
+        # PUSH with no high-water mark: the send queues the bytes for ZMQ's I/O thread and returns, so the
+        # loop never waits on the worker; what it costs is the encoding, kept small by pack_step
+        self._replies.put(pack_step(reply))
 
     def close(self) -> None:
         self._requests.close()

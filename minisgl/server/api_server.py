@@ -28,6 +28,7 @@ from minisgl.core import SamplingParams
 from minisgl.message.frontend import TokenizeMsg, TokenLogprob, TokensMsg, TokensReply, UserReply
 from minisgl.server.auth import ApiKeyGuard
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
+from minisgl.server.coalesce import coalesce
 from minisgl.server.guard import HttpLimits, RequestGuard
 from minisgl.server.protocol import (
     APIError,
@@ -140,8 +141,12 @@ def _prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any] 
     return [one(t) for t in entries]
 
 
+# made once: json.dumps with options builds a new encoder on every call, and a stream encodes every chunk
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_encode_json(obj)}\n\n"
 
 
 def _bytes(text: str) -> list[int]:
@@ -801,20 +806,26 @@ async def _stream(
     try:
         pending = list(first)
         while True:
-            for i, reply in pending:
+            # what arrived while the last write was under way goes out as one chunk a choice, in one write
+            events = []
+            for i, reply in coalesce(pending):
                 reply = fmt.view(reply)
-                for chunk in fmt.chunks(i, reply, choices[i]):
-                    yield _sse(chunk)
+                events += [_sse(chunk) for chunk in fmt.chunks(i, reply, choices[i])]
                 choices[i].add(reply)
                 if reply.finish_reason == "error":
-                    yield _sse(APIError(reply.error or "the request failed", None, reply.error_code).body())
+                    events.append(
+                        _sse(APIError(reply.error or "the request failed", None, reply.error_code).body())
+                    )
             if all(c.finish_reason is not None for c in choices):
                 break
-            pending = [await group.get()]
+            if events:
+                yield "".join(events)
+            pending = await group.get_all()
         usage = fmt.usage_chunk(choices)
         if usage is not None:
-            yield _sse(usage)
-        yield "data: [DONE]\n\n"
+            events.append(_sse(usage))
+        events.append("data: [DONE]\n\n")
+        yield "".join(events)
     finally:
         watcher.cancel()
         group.close()

@@ -1,8 +1,8 @@
 """EngineClient: how the API server and the shell talk to the tokenizer worker.
 
 A call submits a RequestGroup (one sub-request per prompt and choice); the replies of all its
-sub-requests arrive on the group's queue. Closing a group aborts whatever has not finished, so a
-client that goes away frees its slots and pages. The client sees every reply, so it is where each
+sub-requests arrive on the group (`get`, or `get_all` for all that wait). Closing a group aborts
+whatever has not finished, so a client that goes away frees its slots and pages. The client sees every reply, so it is where each
 finished sub-request gets its log line (token counts, time to first token, total time, finish reason).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokensMsg, TokensReply, UserReply
@@ -53,7 +54,10 @@ class RequestGroup:
         self.uids = uids
         self.index = {uid: i for i, uid in enumerate(uids)}
         self.request_id = request_id
-        self.queue: asyncio.Queue[tuple[int, UserReply]] = asyncio.Queue()
+        # the replies not taken yet, and the future the group's one reader waits on while there are none
+        # (an asyncio.Queue costs a future and its bookkeeping per reply; this, one per wait)
+        self._replies: deque[tuple[int, UserReply]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.unfinished = set(uids)
         self.first_token_at: dict[int, float] = {}  # sub-requests that have produced a token, and when
         self.last_token_at: dict[int, float] = {}
@@ -69,9 +73,31 @@ class RequestGroup:
             return str(uid)
         return self.request_id if len(self.uids) == 1 else f"{self.request_id}/{self.index[uid]}"
 
+    def put(self, index: int, reply: UserReply) -> None:
+        """A reply of the sub-request `index` has arrived."""
+        self._replies.append((index, reply))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     async def get(self) -> tuple[int, UserReply]:
         """The next reply of any sub-request, with the sub-request's index."""
-        return await self.queue.get()
+        await self._wait()
+        return self._replies.popleft()
+
+    async def get_all(self) -> list[tuple[int, UserReply]]:
+        """Every reply waiting (at least one: the next is waited for), in order of arrival."""
+        await self._wait()
+        out = list(self._replies)
+        self._replies.clear()
+        return out
+
+    async def _wait(self) -> None:
+        while not self._replies:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def close(self) -> None:
         """The call is over: abort every sub-request that has not finished. Safe to call twice."""
@@ -213,7 +239,7 @@ class EngineClient:
             group.texts[reply.uid] = group.texts.get(reply.uid, "") + reply.text
         if reply.finished and self.log_requests:
             self._log_finished(group, reply, now)
-        group.queue.put_nowait((group.index[reply.uid], reply))
+        group.put(group.index[reply.uid], reply)
 
     def _log_finished(self, group: RequestGroup, reply: UserReply, now: float) -> None:
         first = group.first_token_at.get(reply.uid)

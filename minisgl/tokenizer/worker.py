@@ -2,8 +2,9 @@
 scheduler's tokens come back to the API server as text.
 
 One process does both directions, polling two sockets: requests (TokenizeMsg, AbortMsg) from the
-API server and DetokenizeMsg batches from the scheduler. Each scheduler step becomes one message
-to the API server, so a busy step costs one hop, not one per request.
+API server and a message a step from the scheduler. Each scheduler step becomes one message to the
+API server, so a busy step costs one hop, not one per request; its tokens are decoded in one call
+(`step_batch`), and steps that arrived together leave as one reply a request.
 
 No call may hold up the others: prompts wait in one queue per API call and are tokenized in turns,
 one prompt of each call at a time, in slices of a few milliseconds between polls of the sockets. A
@@ -30,9 +31,11 @@ from minisgl.message.frontend import (
     TokensMsg,
     TokensReply,
     UserReply,
+    merge_replies,
 )
+from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
 from minisgl.tokenizer.tokenize import TokenizeManager
 from minisgl.tokenizer.tokens import answer_tokens
 from minisgl.utils.logger import init_logger
@@ -60,6 +63,7 @@ class _Request:
     completion_tokens: int = 0
     # sent with the first reply, then dropped (TokenizeMsg.return_prompt)
     prompt: tuple[list[int], str] | None = None
+    in_step: bool = False  # a message of the step being gathered is this request's
 
 
 @dataclass
@@ -186,25 +190,51 @@ class TokenizerWorker:
     def _handle_scheduler(self, batches: list[list[Any]]) -> None:
         replies: list[Any] = []
         stats: SchedulerStats | None = None
-        for msg in (m for batch in batches for m in batch):
+        step: list[tuple[_Request, DetokenizeMsg]] = []
+        behind = False
+        for msg in (m for batch in batches for m in unpack_step(batch)):
             if isinstance(msg, SchedulerStats):
                 stats = msg  # only the newest counts
             elif isinstance(msg, DetokenizeMsg):
-                reply = self._detokenize(msg)
-                if reply is not None:
-                    replies.append(reply)
+                req = self.requests.get(msg.uid)
+                if req is not None and req.in_step:
+                    # a second step of this request arrived in the same drain: finish the first step first
+                    replies += self._detokenize(step)
+                    step, behind = [], True
+                    req = self.requests.get(msg.uid)
+                if req is None:
+                    continue  # ended here already (a stop string, or an abort): late messages are dropped
+                req.in_step = True
+                step.append((req, msg))
+        replies += self._detokenize(step)
+        if behind:
+            # several steps came at once: the API server gets one reply a request, not one a token
+            merged: dict[int, UserReply] = {}
+            for r in replies:
+                merged[r.uid] = merge_replies(merged[r.uid], r) if r.uid in merged else r
+            replies = list(merged.values())
         if stats is not None:
             replies.append(stats)
         if replies:
             self._to_api.put(replies)
 
-    def _detokenize(self, msg: DetokenizeMsg) -> UserReply | None:
-        req = self.requests.get(msg.uid)
-        if req is None:
-            return None  # ended here already (a stop string, or an abort): late messages are dropped
+    def _detokenize(self, step: list[tuple[_Request, DetokenizeMsg]]) -> list[UserReply]:
+        """The replies to one step's messages, at most one a request, decoded together."""
+        results = step_batch(self.tokenizer, [(req.detokenizer, msg) for req, msg in step])
+        aborts: list[BaseBackendMsg] = []
+        replies = []
+        for (req, msg), result in zip(step, results):
+            req.in_step = False
+            replies.append(self._reply(req, msg, result))
+            if result.abort:
+                aborts.append(AbortBackendMsg(msg.uid))
+        if aborts:
+            self._to_scheduler.put(BatchBackendMsg(aborts))
+        return replies
+
+    def _reply(self, req: _Request, msg: DetokenizeMsg, step: DetokenizeStep) -> UserReply:
         if msg.prompt_tokens:
             req.cached_tokens = msg.cached_tokens
-        step = req.detokenizer.step(msg)
         reply = UserReply(msg.uid, step.text, step.finished, step.finish_reason, msg.error, msg.error_code)
         if msg.next_token >= 0:
             req.completion_tokens += 1
@@ -229,8 +259,6 @@ class TokenizerWorker:
                 )
                 for t, lp, rank, top in msg.prompt_logprobs
             ]
-        if step.abort:
-            self._to_scheduler.put(BatchBackendMsg([AbortBackendMsg(msg.uid)]))
         if step.finished:
             del self.requests[msg.uid]
             TRACE.point(msg.uid, "detokenize", step.finish_reason)
