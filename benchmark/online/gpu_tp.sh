@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU online run, in one call of the device tool (at most 10 minutes): random-weight bf16
+# The multi-GPU online run, in one run of at most 10 minutes on a GPU machine: random-weight bf16
 # checkpoints of real shapes served by `python -m minisgl --tp-size $TP`, measured by
 # benchmark/online/bench.py with arrivals replayed from its synthetic trace at several request rates.
 # Phases, in order (name some to run only those: `gpu_tp.sh check dense`):
