@@ -18,6 +18,14 @@ from typing import Any
 
 import torch
 
+# what the Qwen3 family's larger shapes share, and the expert layout of its MoE models
+_QWEN3: dict[str, Any] = dict(
+    vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6
+)
+_EXPERTS_128_TOP8: dict[str, Any] = dict(
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1
+)
+
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-0.6b": (
         "qwen3",
@@ -54,21 +62,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": (
         "qwen3_moe",
         dict(
-            vocab_size=151936,
+            **_QWEN3,
+            **_EXPERTS_128_TOP8,
             hidden_size=2048,
             intermediate_size=6144,
             moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
             num_hidden_layers=48,
             num_attention_heads=32,
             num_key_value_heads=4,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
             tie_word_embeddings=False,
         ),
     ),
@@ -76,16 +77,12 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-32b": (
         "qwen3",
         dict(
-            vocab_size=151936,
+            **_QWEN3,
             hidden_size=5120,
             intermediate_size=25600,
             num_hidden_layers=64,
             num_attention_heads=64,
             num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
             tie_word_embeddings=False,
         ),
     ),
@@ -94,21 +91,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-235b-a22b": (
         "qwen3_moe",
         dict(
-            vocab_size=151936,
+            **_QWEN3,
+            **_EXPERTS_128_TOP8,
             hidden_size=4096,
             intermediate_size=12288,
             moe_intermediate_size=1536,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
             num_hidden_layers=94,
             num_attention_heads=64,
             num_key_value_heads=4,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
             tie_word_embeddings=False,
         ),
     ),
