@@ -302,3 +302,20 @@ def test_the_chapter_example_script_runs_on_the_default_model(
     out = _run_example([], monkeypatch, capsys)
     assert "prefill bs=5" in out
     assert out.count("matches HF: True") == 5
+
+
+def test_two_llms_in_one_process_each_use_their_own_model_and_cache(
+    tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
+) -> None:
+    """The layers reach the context (KV cache, page table) through a global: the engine that runs a step
+    must be the one they see, whichever was built last, and one shut down must not break the other."""
+    llama, qwen3 = tiny_model("llama"), tiny_model("qwen3")
+    first = make_llm(llama, max_running_req=4)
+    second = make_llm(qwen3, max_running_req=4)
+    prompts = ID_PROMPTS[:3]
+    want_llama, want_qwen3 = hf_reference(llama, prompts, 6), hf_reference(qwen3, prompts, 6)
+    for _ in range(2):  # interleaved
+        assert [o["token_ids"] for o in first.generate(prompts, greedy(6))] == want_llama
+        assert [o["token_ids"] for o in second.generate(prompts, greedy(6))] == want_qwen3
+    second.shutdown()
+    assert [o["token_ids"] for o in first.generate(prompts, greedy(6))] == want_llama

@@ -391,3 +391,17 @@ def test_a_temperature_below_1e_5_is_greedy() -> None:
         assert SamplingParams(temperature=t).is_greedy
         assert set(_sample_with([SamplingParams(temperature=t)] * 200, logits, seeds=list(range(200)))) == {0}
     assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def test_penalty_tokens_are_read_again_from_the_pool_at_sampling_time() -> None:
+    """Under overlap the previous step writes the newest token after the batch was prepared: gather
+    reads the pool again, so that token counts (on CUDA the engine calls it on its own stream)."""
+    pool = torch.tensor([[5, 1, 0, 0], [7, 7, 0, 0]], dtype=torch.int32)
+    args = _penalty_args(prompt=[5], output=[1, 3], width=4, presence=0.0, frequency=1.0, repetition=1.0)
+    args.rows = torch.tensor([0])
+    pool[0, 2] = 3  # the step in flight writes token 3 at position 2 after preparation
+    args.tokens = torch.zeros_like(args.tokens)  # what a read before that write could have seen
+    args.gather(pool)
+    assert args.tokens.tolist() == [[5, 1, 3, 0]]
+    logits = apply_penalties(torch.zeros(1, 8), args)
+    assert logits[0, 3].item() == -1.0 and logits[0, 1].item() == -1.0 and logits[0, 5].item() == 0.0

@@ -334,6 +334,10 @@ class Engine:
         overlap): the model needs no mask, so it runs while the host fills them.
         """
         batch = forward_input.batch
+        # the layers find the context and the rank set through globals: this engine's, even if another
+        # engine was built in the process after it
+        set_global_ctx(self.ctx)
+        set_tp_info(self.tp_info)
         batch.input_ids = self.token_pool[forward_input.input_mapping]
         with self.ctx.forward_batch(batch):
             if self.graph_runner.can_use(batch):
@@ -346,6 +350,8 @@ class Engine:
         """The sampling half of a step: the next tokens from `logits` (forward_model's), written back to the
         token pool on the device and copied to the host, with the logprobs the requests ask for."""
         batch, args = forward_input.batch, forward_input.sample_args
+        if args.penalty is not None:
+            args.penalty.gather(self.token_pool)
         next_tokens = self.sampler.sample(logits[: batch.size], args)
         if self.tp_info.size > 1:
             import torch.distributed as dist

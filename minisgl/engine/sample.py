@@ -114,6 +114,17 @@ class PenaltyArgs:
     presence: torch.Tensor  # [B, 1]
     frequency: torch.Tensor  # [B, 1]
     repetition: torch.Tensor  # [B, 1]
+    # the token-pool rows of the batch: `tokens` is read again from the pool at sampling time (gather)
+    rows: torch.Tensor | None = None
+
+    def gather(self, token_pool: torch.Tensor) -> None:
+        """Read the tokens from the pool now. Under overlap the batch is prepared on the scheduler's stream
+        while the previous step, which writes the newest token of each row, still runs on the engine's:
+        read at preparation, that token could be stale. Called on the engine's stream, just before sampling,
+        the read comes after that write."""
+        if self.rows is not None:
+            width = self.tokens.shape[1]
+            self.tokens = torch.where(self.is_token, token_pool[self.rows, :width].to(torch.int64), 0)
 
 
 class Sampler:
@@ -205,6 +216,7 @@ class Sampler:
             presence=self._to([[p.presence_penalty] for p in params], torch.float32),
             frequency=self._to([[p.frequency_penalty] for p in params], torch.float32),
             repetition=self._to([[p.repetition_penalty] for p in params], torch.float32),
+            rows=rows if self.device.type == "cuda" else None,
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
