@@ -88,4 +88,5 @@ def test_a_run_counts_refused_requests_as_errors_and_stops_its_server(
     spec = TraceSpec(input_median=8, output_median=6, output_max=10)
     asked = sum(r.output_len for r in make_trace(4, spec, 0, model_vocab(folder)))
     assert rate["output_tokens"] == asked
-    assert 0 < rate["ttft_p50_ms"] <= rate["e2e_p50_ms"] and rate["tpot_p50_ms"] > 0
+    # a request's tokens may arrive in one coalesced chunk, whose TPOT is then 0
+    assert 0 < rate["ttft_p50_ms"] <= rate["e2e_p50_ms"] and rate["tpot_p50_ms"] >= 0

@@ -230,7 +230,8 @@ def test_streamed_choices_of_n_arrive_interleaved_and_each_finishes(
 
 
 def test_sse_stream_ends_with_done(server: Server) -> None:
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True}).encode()
+    # ignore_eos: a sampled EOS would end the stream with "stop"
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True}).encode()
     status, text = server.request("POST", "/v1/completions", body)
     events = [e for e in text.split("\n\n") if e]
     assert status == 200
