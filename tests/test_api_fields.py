@@ -382,8 +382,13 @@ def test_return_token_ids_gives_the_prompt_and_the_output_ids(
         },
     )
     streamed = [t for e in events for t in e["choices"][0].get("token_ids", [])]
-    assert len(streamed) == 4 and events[0]["prompt_token_ids"][-1] == events[0]["prompt_token_ids"][-1]
-    assert "prompt_token_ids" in events[0]
+    assert len(streamed) == 4 and "prompt_token_ids" in events[0]
+    # streamed completions: every id arrives, also those of tokens whose text is still empty
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    _, whole = post(server, "/v1/completions", {**body, "return_token_ids": True})
+    events = sse(server, "/v1/completions", {**body, "return_token_ids": True, "stream": True})
+    streamed = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert streamed == whole["choices"][0]["token_ids"] and len(streamed) == 12
 
 
 def test_stop_reason_and_matched_stop_name_what_ended_the_output(

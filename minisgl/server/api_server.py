@@ -362,7 +362,9 @@ class CompletionFormat(_Format):
 
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         head = self.echo and reply.prompt_text is not None
-        if not (reply.text or reply.logprobs or reply.finished or head):
+        # a token whose text is empty yet (part of a character) still shows its id when ids are asked
+        with_ids = self.return_token_ids and bool(reply.token_ids)
+        if not (reply.text or reply.logprobs or reply.finished or head or with_ids):
             return []
         text, logprobs = reply.text, reply.logprobs
         if head:
