@@ -6,6 +6,10 @@
 #   trace   a traced GPU run of the 0.6B shape, drawn as a timeline
 #   dense   the upstream offline workload on a Llama-3-8B-shaped checkpoint at tp=1 and tp=2
 #   moe     the same workload on a Qwen3-30B-A3B-shaped MoE (all 48 layers) at tp=2
+#   api     the device paths of the API's sampling fields (logit_bias, min_tokens, prompt logprobs) and
+#           of structured output under overlap, on one GPU
+#   diag    where a tp=2 step's host time goes: native stacks of every rank sampled during a run (py-spy
+#           from ./.whl), then the same run with the plain loop instead of the overlap loop
 # Results go to $OUT (or ./out). Python packages the machine lacks are installed from ./.whl if present.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -13,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=.:/tmp/site
+        .whl/*.whl > /dev/null && export PYTHONPATH=.:/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 phases=${*:-tests trace dense moe}
@@ -46,6 +50,30 @@ moe)
     timeout 200 python benchmark/offline/bench.py --model /tmp/ckpt/qwen3-30b-a3b --device cuda --peer none \
         --tp-size 2 --json "$OUT/bench_qwen3_30b_a3b_tp2.json" 2>&1 | tail -1
     ;;
-*) echo "unknown phase $phase (tests, trace, dense, moe)"; exit 2 ;;
+api)
+    timeout 200 python -m pytest -q -rf -p no:cacheprovider --timeout 100 tests/test_gpu.py \
+        tests/test_logit_bias_min_tokens.py tests/test_prompt_logprobs.py 2>&1 | tee "$OUT/api_gpu_tests.log" | tail -6
+    timeout 120 python -m pytest -q -rf -p no:cacheprovider --timeout 60 tests/test_structured.py \
+        -k "not default_model" 2>&1 | tee "$OUT/structured_tests.log" | tail -5
+    ;;
+diag)
+    timeout 120 python benchmark/offline/random_checkpoint.py llama3-8b /tmp/ckpt/llama3-8b 2>&1 | tail -1
+    python benchmark/offline/bench.py --model /tmp/ckpt/llama3-8b --device cuda --peer none --tp-size 2 \
+        --num-requests 128 --repeat 1 > "$OUT/diag_bench.log" 2>&1 &
+    bench=$!
+    for _ in $(seq 120); do grep -q "engine ready" "$OUT/diag_bench.log" && break; sleep 1; done
+    sleep 5
+    for k in 1 2 3 4 5; do
+        for pid in $bench $(pgrep -P $bench); do
+            echo "== sample $k pid $pid" >> "$OUT/diag_stacks.txt"
+            timeout 10 py-spy dump --native --pid "$pid" >> "$OUT/diag_stacks.txt" 2>&1
+        done
+        sleep 1
+    done
+    wait $bench; tail -1 "$OUT/diag_bench.log"
+    MINISGL_DISABLE_OVERLAP_SCHEDULING=1 timeout 150 python benchmark/offline/bench.py --model /tmp/ckpt/llama3-8b \
+        --device cuda --peer none --tp-size 2 --num-requests 128 --repeat 1 2>&1 | tail -1
+    ;;
+*) echo "unknown phase $phase (tests, trace, dense, moe, api, diag)"; exit 2 ;;
 esac
 done
