@@ -518,3 +518,43 @@ def test_a_text_far_over_the_context_is_refused_from_a_prefix(model_dir: str) ->
     # a text that fits is tokenized whole, as the plain tokenizer does
     fits = "hello world " * 20
     assert manager.tokenize(TokenizeMsg([SamplingParams()], text=fits)) == tokenizer.inner.encode(fits)
+
+
+class _ThreadRecordingClient(_FailingClient):
+    """Records the thread submit runs on: the event loop's."""
+
+    def submit(self, msgs: list[TokenizeMsg], request_id: str | None = None) -> Any:
+        self.loop_thread = threading.get_ident()  # type: ignore[attr-defined]
+        raise RuntimeError("stop here")
+
+
+def test_a_grammar_or_a_large_body_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking a grammar compiles it (milliseconds) and a large body takes long to parse: both are read
+    on a worker thread, so the loop keeps writing the other streams; a small plain request stays on it."""
+    from fastapi.testclient import TestClient
+
+    import minisgl.server.protocol as protocol
+    from minisgl.server.api_server import create_app
+    from minisgl.server.client import ServeInfo
+    from minisgl.server.guard import HttpLimits
+
+    checked_on: list[int] = []
+    real_check = protocol.check_grammar
+
+    def recording_check(*args: Any, **kwargs: Any) -> None:
+        checked_on.append(threading.get_ident())
+        real_check(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "check_grammar", recording_check)
+    client = _ThreadRecordingClient()
+    app = create_app(ServeInfo("m", None, 512), lambda *a, **k: client, HttpLimits(1 << 22, 5.0))  # type: ignore[arg-type, return-value]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for body, off in [
+            ({"prompt": "a", "max_tokens": 2}, False),
+            ({"prompt": "a", "max_tokens": 2, "json_schema": json.dumps(schema)}, True),
+            ({"prompt": "a" * (100 << 10), "max_tokens": 2}, True),
+        ]:
+            checked_on.clear()
+            assert http.post("/v1/completions", json=body).status_code == 500  # the client stops it
+            assert (checked_on[-1] != client.loop_thread) is off, body.keys()

@@ -703,7 +703,10 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body())
+        return await serve(request, *await off_loop(chat_call, await request.body()))
+
+    def chat_call(body: bytes) -> Call:
+        req = parse_body(ChatCompletionRequest, body)
         req.check_fields()
         model = model_of(req.model)
         texts, n = req.chat(), req.num_choices
@@ -729,11 +732,14 @@ def create_app(
             logprobs_asked=params.logprobs is not None,
             **format_options(req),
         )
-        return await serve(request, [msg], fmt, bool(req.stream))
+        return [msg], fmt, bool(req.stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
+        return await serve(request, *await off_loop(completion_call, await request.body()))
+
+    def completion_call(body: bytes) -> Call:
+        req = parse_body(CompletionRequest, body)
         req.check_fields()
         model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
@@ -754,11 +760,14 @@ def create_app(
             logprobs_asked=req.logprobs is not None,
             **format_options(req),
         )
-        return await serve(request, msgs, fmt, bool(req.stream))
+        return msgs, fmt, bool(req.stream)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        req = parse_body(GenerateRequest, await request.body())
+        return await serve(request, *await off_loop(generate_call, await request.body()))
+
+    def generate_call(body: bytes) -> Call:
+        req = parse_body(GenerateRequest, body)
         prompts, n = req.prompts(), req.num_choices
         params = req.to_sampling_params()
         if req.sampling_params is not None:
@@ -767,9 +776,36 @@ def create_app(
         fmt = GenerateFormat(
             info.model_name, n, len(prompts) * n > 1, "text" if req.text is not None else "input_ids"
         )
-        return await serve(request, msgs, fmt, bool(req.stream))
+        return msgs, fmt, bool(req.stream)
 
     return app
+
+
+# a call checked and ready to submit: its messages, its answer's shape, whether it streams
+Call = tuple[list[TokenizeMsg], _Format, bool]
+
+# Reading a request can hold the event loop, and every stream it writes, for a while: a large body is
+# parsed and checked (about 0.5 s for a few MB), and a grammar is compiled once to check it (3-20 ms,
+# as texts are kept under 32 KiB). Such requests are read on a worker thread; small plain ones, most of
+# them, stay on the loop, where a thread hop would cost more than the read.
+_OFF_LOOP_BYTES = 64 << 10
+_GRAMMAR_KEYS = (
+    b'"json_schema"',
+    b'"regex"',
+    b'"ebnf"',
+    b'"response_format"',
+    b'"guided_',
+    b'"structured_outputs"',
+    b'"tools"',
+    b'"tool_choice"',
+)
+
+
+async def off_loop(read: Callable[[bytes], Call], body: bytes) -> Call:
+    """read(body), on a worker thread when the body is large or may carry a grammar."""
+    if len(body) > _OFF_LOOP_BYTES or any(key in body for key in _GRAMMAR_KEYS):
+        return await asyncio.to_thread(read, body)
+    return read(body)
 
 
 def _prompt_msgs(
