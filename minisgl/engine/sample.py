@@ -209,14 +209,21 @@ class Sampler:
         prompt_t = self._to([r.prompt_len for r in reqs], torch.int64)
         is_token = pos[None, :] < len_t[:, None]
         params = [r.sampling_params for r in reqs]
+        # on CUDA the tokens are read at sampling time (PenaltyArgs.gather), so not here as well
+        lazy = self.device.type == "cuda"
+        tokens = (
+            torch.empty((len(reqs), width), dtype=torch.int64, device=self.device)
+            if lazy
+            else torch.where(is_token, token_pool[rows, :width].to(torch.int64), 0)
+        )
         return PenaltyArgs(
-            tokens=torch.where(is_token, token_pool[rows, :width].to(torch.int64), 0),
+            tokens=tokens,
             is_output=is_token & (pos[None, :] >= prompt_t[:, None]),
             is_token=is_token,
             presence=self._to([[p.presence_penalty] for p in params], torch.float32),
             frequency=self._to([[p.frequency_penalty] for p in params], torch.float32),
             repetition=self._to([[p.repetition_penalty] for p in params], torch.float32),
-            rows=rows if self.device.type == "cuda" else None,
+            rows=rows if lazy else None,
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
