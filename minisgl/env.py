@@ -62,7 +62,9 @@ class _Env:
             "where converted GGUF checkpoints and the built CPU kernels are kept",
         )
         self.CPU_THREADS = EnvVar(
-            "MINISGL_CPU_THREADS", 0, "torch intra-op threads on CPU (0: torch's choice)"
+            "MINISGL_CPU_THREADS",
+            0,
+            "torch intra-op threads (0: torch's choice on CPU, 1 for a CUDA engine's host work)",
         )
         self.DISABLE_CPU_KERNELS = EnvVar(
             "MINISGL_DISABLE_CPU_KERNELS", False, "use torch ops instead of the C kernels built for the CPU"

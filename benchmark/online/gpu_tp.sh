@@ -9,6 +9,9 @@
 #   small  (not run by default) the Qwen3-0.6B shape at tp=1, closed loop at 1, 64, 256 and 512 clients
 #          on issue 14's requests (U[100, 1024] token-id prompts, 256 output tokens, temperature 0.6),
 #          with LLM.generate's figure on the same requests beside each level
+#   profile (not run by default) the 0.6B shape at tp=1 under 256 streams of 1,024 tokens: py-spy
+#          records every server process (API server, tokenizer worker, scheduler) for 8 s mid-decode
+#          (collapsed stacks, idle included: profile_<role>.txt)
 # Settings (environment):
 #   TP=4                 the tensor-parallel size (default)
 #   TP=2 SMALL=1         for a 2-GPU machine: 16 dense layers, 4 MoE layers
@@ -36,7 +39,7 @@ CKPT=${CKPT:-/tmp/ckpt}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        .whl/*.whl > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 if [ "$SMALL" = 1 ]; then
     DENSE_LAYERS=${DENSE_LAYERS:-16}
@@ -121,8 +124,34 @@ for phase in $phases; do
             --json "$OUT/online_$name.jsonl" --server-log "$OUT/server_$name" 2>&1 |
             grep -v "Warning\|return func" | tee "$OUT/online_$name.txt"
         ;;
+    profile)
+        name=qwen3-0.6b
+        [ -d "$CKPT/$name" ] || build "$name" qwen3-0.6b 28 2>&1 | tail -1 | tee -a "$OUT/gpu_tp.txt"
+        python -m minisgl --model "$CKPT/$name" --port 30017 > "$OUT/profile_server.log" 2>&1 &
+        server=$!
+        timeout 180 python -c "import time, urllib.request as u
+while True:
+    try: u.urlopen('http://127.0.0.1:30017/health', timeout=1); break
+    except Exception: time.sleep(0.5)"
+        timeout -s TERM 240 python benchmark/online/bench.py --base-url http://127.0.0.1:30017 --name minisgl \
+            --tokenizer "$CKPT/$name" --prompt-ids --min-len 100 --max-len 1024 --concurrency 256 \
+            --requests-per-level 1 --output-len 1024 --temperature 0.6 2>&1 | grep -v "Warning\|return func" \
+            > "$OUT/profile_bench.txt" &
+        load=$!
+        sleep 8
+        py-spy dump --pid "$server" > "$OUT/profile_dump_api.txt" 2>&1
+        for pid in $server $(pgrep -P "$server"); do
+            role=$(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-200)
+            echo "$pid $role" >> "$OUT/profile_pids.txt"
+            py-spy record --idle --rate 250 --duration 8 --format raw -o "$OUT/profile_$pid.txt" --pid "$pid" \
+                > /dev/null 2>&1 &
+        done
+        wait $load
+        cat "$OUT/profile_bench.txt"
+        kill -TERM "$server"; wait "$server"
+        ;;
     *)
-        echo "unknown phase $phase (check, dense, moe, small)"
+        echo "unknown phase $phase (check, dense, moe, small, profile)"
         exit 2
         ;;
     esac

@@ -39,10 +39,9 @@ def make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
 
 def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
     """(row, position) of every input token: the input comes from the token pool, its KV slot from the page table."""
-    _, lens = _lens(batch)
-    rows = torch.repeat_interleave(
-        torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64), lens
-    )
+    rows = torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64)
+    if not batch.is_decode:  # a decode step has one input a row: nothing to repeat
+        rows = torch.repeat_interleave(rows, _lens(batch)[1])
     return rows.to(device, non_blocking=True), batch.positions
 
 
