@@ -11,7 +11,7 @@
 #          with LLM.generate's figure on the same requests beside each level
 #   profile (not run by default) the 0.6B shape at tp=1 under 256 streams of 1,024 tokens: py-spy
 #          records every server process (API server, tokenizer worker, scheduler) for 8 s mid-decode
-#          (collapsed stacks, idle included: profile_<role>.txt)
+#          (collapsed stacks, idle included: profile_<pid>.txt, roles in profile_pids.txt; all in profile.tgz)
 # Settings (environment):
 #   TP=4                 the tensor-parallel size (default)
 #   TP=2 SMALL=1         for a 2-GPU machine: 16 dense layers, 4 MoE layers
@@ -149,6 +149,8 @@ while True:
         wait $load
         cat "$OUT/profile_bench.txt"
         kill -TERM "$server"; wait "$server"
+        # one archive: a GPU machine returns few files
+        (cd "$OUT" && tar czf profile.tgz profile_* && rm -f profile_*.txt profile_server.log)
         ;;
     *)
         echo "unknown phase $phase (check, dense, moe, small, profile)"

@@ -10,8 +10,11 @@ step and builds the same batches; only rank 0 replies (`reply`).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from minisgl.distributed import DistributedInfo
 from minisgl.message import BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
@@ -43,14 +46,34 @@ class SchedulerIOMixin:
         """receive_msg on rank 0, forwarded to every rank (the others wait here for rank 0)."""
         if self.tp_info.size == 1:
             return self.receive_msg(blocking)
-        import torch.distributed as dist
-
-        box: list[Any] = [None]
+        msgs: list[BaseBackendMsg] = []
         if self.tp_info.rank == 0:
             # a request without a seed gets one here, so that every rank samples with the same
-            box[0] = [_with_seed(m) for m in self.receive_msg(blocking)]
-        dist.broadcast_object_list(box, src=0, group=self.tp_cpu_group)
-        return box[0]
+            msgs = [_with_seed(m) for m in self.receive_msg(blocking)]
+        return self._broadcast_msgs(msgs)
+
+    def _broadcast_msgs(self, msgs: list[BaseBackendMsg]) -> list[BaseBackendMsg]:
+        """Rank 0's messages on every rank: their pickled length, then the bytes only when there are any.
+
+        Most steps have no message: one 8-byte broadcast then, where broadcast_object_list always
+        pickles and sends twice (about 4x the time over gloo).
+        """
+        import torch.distributed as dist
+
+        root = self.tp_info.rank == 0
+        payload = pickle.dumps(msgs) if root and msgs else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.tp_cpu_group)
+        n = int(size.item())
+        if n == 0:
+            return msgs
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if root
+            else torch.empty(n, dtype=torch.uint8)
+        )
+        dist.broadcast(data, src=0, group=self.tp_cpu_group)
+        return msgs if root else pickle.loads(data.numpy().tobytes())
 
     def reply(self, reply: list[DetokenizeMsg]) -> None:
         if self.tp_info.rank == 0:
@@ -60,10 +83,8 @@ class SchedulerIOMixin:
         if self._zmq_io is not None:
             self._zmq_io.close()
         if self.tp_info.size > 1 and self.tp_info.rank == 0:
-            import torch.distributed as dist
-
             try:
-                dist.broadcast_object_list([[ExitMsg()]], src=0, group=self.tp_cpu_group)
+                self._broadcast_msgs([ExitMsg()])
             except Exception:  # a rank already gone: its owner kills the rest
                 pass
 
