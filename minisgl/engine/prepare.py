@@ -43,7 +43,8 @@ def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
     rows = torch.repeat_interleave(
         torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64), lens
     )
-    return rows.to(device, non_blocking=True), batch.positions
+    # pinned, so the copy is asynchronous (from pageable memory the host waits while it is staged)
+    return (rows.pin_memory() if pin(device) else rows).to(device, non_blocking=True), batch.positions
 
 
 def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:

@@ -107,8 +107,12 @@ class CacheManager:
         slots = (
             torch.tensor([w[2] for w in writes], dtype=torch.int32)[:, None] * ps + self._offsets
         ).reshape(-1)
-        dev = self.device
-        self.page_table[rows.to(dev), cols.to(dev)] = slots.to(dev)
+        # one pinned buffer copied asynchronously: a decode step writes here every page, and a blocking
+        # copy would stop the host until the copy lands
+        packed = torch.stack([rows, cols, slots.to(torch.int64)])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        self.page_table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # ---- release ---------------------------------------------------------------------------
     @contextmanager
