@@ -110,9 +110,8 @@ def run_minisgl(
     name = f"minisgl ({dtype}{tp}{', traced' if trace else ''})"
     results = [Result(f"{name}, first run", seconds[0], work.output_tokens)]
     if len(seconds) > 1:
-        results.append(
-            Result(f"{name}, runs 2-{len(seconds)} median", median(seconds[1:]), work.output_tokens)
-        )
+        later = f"runs 2-{len(seconds)} median" if len(seconds) > 2 else "run 2"
+        results.append(Result(f"{name}, {later}", median(seconds[1:]), work.output_tokens))
     return results, model_dir
 
 
