@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from minisgl.core import Batch, Req, SamplingParams  # noqa: E402
 from minisgl.engine.sample import Sampler, filter_logits, hash_uniform  # noqa: E402
+from minisgl.kernel import sampling as triton_sampling  # noqa: E402
 from minisgl.kernel.activation import silu_and_mul  # noqa: E402
 from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
 from minisgl.kernel.moe import align_block_size, fused_moe  # noqa: E402
@@ -207,7 +208,9 @@ def _filter_rows(bs: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         ([20, 1000, 5, 1000, 3, 900], [0.8, 0.95, 1.0, 0.95, 0.5, 0.9], [0.0, 0.05, 0.0, 0.1, 0.0, 0.0]),
     ],
 )
-def test_threshold_filter_keeps_what_the_sorting_filter_keeps(top_k, top_p, min_p) -> None:
+# a window of 16 sends most rows to the exact search, one of 256 most to the sorted window
+@pytest.mark.parametrize("window", [16, 256])
+def test_threshold_filter_keeps_what_the_sorting_filter_keeps(top_k, top_p, min_p, window) -> None:
     vocab = 1000
     logits, temps = _filter_rows(6, vocab)
 
@@ -215,7 +218,9 @@ def test_threshold_filter_keeps_what_the_sorting_filter_keeps(top_k, top_p, min_
         return torch.tensor(values if values is not None else [off] * 6, dtype=torch.float32)
 
     args = (t(top_k, vocab), t(top_p, 1.0), t(min_p, 0.0))
-    thresholds = filter_thresholds(logits.to(DEVICE), temps.to(DEVICE), *(a.to(DEVICE) for a in args))
+    thresholds = filter_thresholds(
+        logits.to(DEVICE), temps.to(DEVICE), *(a.to(DEVICE) for a in args), window=window
+    )
     scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
     want = filter_logits(scaled, *args) > torch.finfo(torch.float32).min
     got = scaled >= thresholds.cpu()[:, None]
@@ -244,9 +249,13 @@ def _sampler_batch(params: list[SamplingParams], vocab: int) -> tuple[Sampler, B
     return Sampler(DEVICE, vocab), batch
 
 
-def test_the_kernels_draw_the_torch_samplers_tokens_for_every_filter_and_seed() -> None:
+def test_the_kernels_draw_the_torch_samplers_tokens_for_every_filter_and_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The same seeds give the same tokens on the device path (threshold kernel, then the sampling
     kernel) as on the torch path (sort, softmax, exponential race), greedy rows beside filtered ones."""
+    if not CUDA:
+        monkeypatch.setattr(triton_sampling, "WINDOW", 128)  # the interpreter sorts 2048 values slowly
     vocab = 1000
     params = [
         SamplingParams(temperature=0.9, top_k=40),

@@ -123,6 +123,11 @@ def sample_tokens(
     return out
 
 
+# the most tokens a row's kept set may have for the sorted-window path (a power of two: the sort's size);
+# top-k up to this, and the top-p nucleus of any but a flat distribution, take it
+WINDOW = 2048
+
+
 # order-preserving int32 keys of float32 values: a >= b as floats exactly when key(a) >= key(b)
 # (except -0.0 < +0.0); key(-inf) = -2139095041 bounds every search from below
 @triton.jit
@@ -166,7 +171,64 @@ def _search(row, V, temp, lo, hi, target, m, floor, MASS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _threshold_kernel(Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, V, BLOCK: tl.constexpr):
+def _load_scaled(row, off, V, temp, BLOCK: tl.constexpr):
+    idx = off + tl.arange(0, BLOCK)
+    return tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+
+
+@triton.jit
+def _exact_threshold(row, V, temp, m, floor, k, p, BLOCK: tl.constexpr):
+    """The threshold from searches over the whole row: 8 passes for top-k, 9 for top-p (the fallback)."""
+    thresh = floor
+    hi = _key(m)
+    if k < V:
+        # top-k ranks every token (those min-p drops too): the k-th largest x
+        lo = tl.maximum(_key(thresh), -2139095041)
+        thresh = tl.maximum(thresh, _unkey(_search(row, V, temp, lo, hi, k, m, thresh, False, BLOCK)))
+    if p < 1.0:
+        # top-p: the fewest most likely tokens whose mass, over what min-p and top-k kept, reaches p
+        total = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            total += tl.where(x >= thresh, tl.exp(x - m), 0.0)
+        lo = tl.maximum(_key(thresh), -2139095041)
+        nucleus = _search(row, V, temp, lo, hi, p * tl.sum(total, 0), m, thresh, True, BLOCK)
+        thresh = tl.maximum(thresh, _unkey(nucleus))
+    return thresh
+
+
+@triton.jit
+def _window_threshold(
+    row, V, temp, Window, cut, m, floor, k, p, kept_mass, BLOCK: tl.constexpr, WINDOW: tl.constexpr
+):
+    """The threshold from the tokens with x >= cut (at most WINDOW of them, and every token the filters
+    keep among them), gathered, sorted, and filtered as sample.filter_logits does: one more pass."""
+    count = tl.full([], 0, tl.int32)
+    for off in range(0, V, BLOCK):
+        x = _load_scaled(row, off, V, temp, BLOCK)
+        take = (x >= cut).to(tl.int32)
+        tl.store(Window + count + tl.cumsum(take, 0) - take, x, mask=take > 0)
+        count += tl.sum(take, 0)
+    tl.debug_barrier()  # the window was written by every thread of the program
+    w = tl.arange(0, WINDOW)
+    values = tl.sort(tl.load(Window + w, mask=w < count, other=float("-inf")), descending=True)
+    thresh = floor
+    if k < V:
+        thresh = tl.maximum(thresh, tl.sum(tl.where(w == k.to(tl.int32) - 1, values, 0.0), 0))
+    if p < 1.0:
+        e = tl.where(values >= thresh, tl.exp(values - m), 0.0)
+        # top-p normalises over what top-k kept (all in the window), or else over what min-p kept
+        probs = e / tl.where(k < V, tl.sum(e, 0), kept_mass)
+        # keep a token while the mass before it is below top_p: the first token always stays
+        keep = (tl.cumsum(probs, 0) - probs < p) & (values >= thresh)
+        thresh = tl.maximum(thresh, tl.min(tl.where(keep, values, float("inf")), 0))
+    return thresh
+
+
+@triton.jit
+def _threshold_kernel(
+    Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, Windows, V, BLOCK: tl.constexpr, WINDOW: tl.constexpr
+):
     # one program per row; a row's filters that are off (k = V, p = 1, min_p = 0) cost no pass
     r = tl.program_id(0)
     row = Logits + r * stride_l
@@ -177,28 +239,40 @@ def _threshold_kernel(Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, V, BLOC
     thresh = tl.full([], float("-inf"), tl.float32)
     if temp > 0.0:
         m = tl.full([], float("-inf"), tl.float32)
+        least = tl.full([], float("inf"), tl.float32)
         for off in range(0, V, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            x = tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+            x = _load_scaled(row, off, V, temp, BLOCK)
             m = tl.maximum(m, tl.max(x, 0))
+            least = tl.minimum(least, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
         # min-p: p_i < min_p * p_max  <=>  x_i < m + log(min_p); log(0) = -inf keeps every token
         thresh = m + tl.log(min_p)
-        hi = _key(m)
-        if k < V:
-            # top-k ranks every token (those min-p drops too): the k-th largest x
-            lo = tl.maximum(_key(thresh), -2139095041)
-            kth = _search(row, V, temp, lo, hi, k, m, thresh, False, BLOCK)
-            thresh = tl.maximum(thresh, _unkey(kth))
-        if p < 1.0:
-            # top-p: the fewest most likely tokens whose mass, over what min-p and top-k kept, reaches p
-            total = tl.zeros([BLOCK], tl.float32)
+        if (k < V) | (p < 1.0):
+            # sixteen cuts from just below the top to the smallest x: the count and the mass above each
+            j = tl.arange(0, 16)
+            cuts = m - (m - least) * tl.exp2((j - 15).to(tl.float32) * 0.5)
+            counts = tl.zeros([BLOCK, 16], tl.float32)
+            masses = tl.zeros([BLOCK, 16], tl.float32)
+            kept = tl.zeros([BLOCK], tl.float32)
             for off in range(0, V, BLOCK):
-                idx = off + tl.arange(0, BLOCK)
-                x = tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
-                total += tl.where(x >= thresh, tl.exp(x - m), 0.0)
-            lo = tl.maximum(_key(thresh), -2139095041)
-            nucleus = _search(row, V, temp, lo, hi, p * tl.sum(total, 0), m, thresh, True, BLOCK)
-            thresh = tl.maximum(thresh, _unkey(nucleus))
+                x = _load_scaled(row, off, V, temp, BLOCK)
+                e = tl.where(x >= thresh, tl.exp(x - m), 0.0)
+                above = x[:, None] >= cuts[None, :]
+                counts += tl.where(above, 1.0, 0.0)
+                masses += tl.where(above, e[:, None], 0.0)
+                kept += e
+            count, mass, kept_mass = tl.sum(counts, 0), tl.sum(masses, 0), tl.sum(kept, 0)
+            # the highest cut above which lie the k largest, or (top-k off) the top-p nucleus
+            covers = tl.where(k < V, count >= k, mass >= p * kept_mass)
+            first = tl.min(tl.where(covers, j, 16), 0)
+            if (first < 16) & (tl.sum(tl.where(j == first, count, 0.0), 0) <= WINDOW):
+                cut = tl.sum(tl.where(j == first, cuts, 0.0), 0)
+                window = Windows + r * WINDOW
+                thresh = _window_threshold(
+                    row, V, temp, window, cut, m, thresh, k, p, kept_mass, BLOCK, WINDOW
+                )
+            else:
+                # a flat row: the kept set does not fit the window
+                thresh = _exact_threshold(row, V, temp, m, thresh, k, p, BLOCK)
     tl.store(Thresh + r, thresh)
 
 
@@ -208,17 +282,24 @@ def filter_thresholds(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[B] float32: each sampled row keeps the tokens with logit / T >= its threshold, which is what
     sample.filter_logits keeps of the tempered logits (ties at the edge of a top-k or top-p set are all
     kept; the sort keeps an arbitrary few of them). top_k is the vocabulary size, top_p 1 and min_p 0
-    where a row does not filter (all [B] float32); greedy rows get -inf."""
+    where a row does not filter (all [B] float32); greedy rows get -inf.
+
+    Three passes over a row when its kept set lies among its `window` (WINDOW) largest tokens,
+    as it does for a top-k below the window and for the nucleus of a peaked distribution; a flat row
+    takes the exact search instead (up to 19 passes). Which one is decided on the device, per row."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.float32, device=logits.device)
     if bs == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    window = window or WINDOW
+    windows = torch.empty((bs, window), dtype=torch.float32, device=logits.device)
     _threshold_kernel[(bs,)](
         logits,
         logits.stride(0),
@@ -227,8 +308,10 @@ def filter_thresholds(
         top_p.to(torch.float32).contiguous(),
         min_p.to(torch.float32).contiguous(),
         out,
+        windows,
         vocab,
-        BLOCK=1024,
+        BLOCK=512,
+        WINDOW=window,
         num_warps=8,
     )
     return out
