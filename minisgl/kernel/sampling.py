@@ -7,8 +7,10 @@ from a hash of (seed, step, i). Taking logs, that is argmax l_i / T - log(-log U
 gives the same noise on both paths.
 
 The filters keep a set of the form {i : l_i / T >= threshold}, so each row needs one number, found on
-the device by a search over the row (`_threshold_kernel`). Nothing is read back to the host and no
-shape depends on the data, so a filtered batch keeps the overlap loop's pipelining.
+the device (`_threshold_kernel`): from the row's top tokens, gathered into a window and sorted, or for
+a flat row whose kept set does not fit the window, from an exact search over the whole row. Nothing is
+read back to the host and no shape depends on the data, so a filtered batch keeps the overlap loop's
+pipelining.
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ def sample_tokens(
 WINDOW = 2048
 
 
+@triton.jit
+def _load_scaled(row, off, V, temp, BLOCK: tl.constexpr):
+    idx = off + tl.arange(0, BLOCK)
+    return tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+
+
 # order-preserving int32 keys of float32 values: a >= b as floats exactly when key(a) >= key(b)
 # (except -0.0 < +0.0); key(-inf) = -2139095041 bounds every search from below
 @triton.jit
@@ -156,24 +164,18 @@ def _search(row, V, temp, lo, hi, target, m, floor, MASS: tl.constexpr, BLOCK: t
         pivots = _unkey(lo + j.to(tl.int64) * step)
         acc = tl.zeros([16], tl.float32)
         for off in range(0, V, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            x = tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+            x = _load_scaled(row, off, V, temp, BLOCK)
             if MASS:
                 w = tl.where(x >= floor, tl.exp(x - m), 0.0)
             else:
-                w = tl.where(idx < V, 1.0, 0.0)
+                # banned tokens (-inf) do not count: a top-k past the others keeps them all
+                w = tl.where(x > float("-inf"), 1.0, 0.0)
             acc += tl.sum(tl.where(x[:, None] >= pivots[None, :], w[:, None], 0.0), 0)
         # pivot 0 is lo, which reaches the target (or is the lower bound the answer cannot be below)
         best = tl.max(tl.where(acc >= target, j, 0), 0).to(tl.int64)
         lo = lo + best * step
         hi = tl.minimum(lo + step - 1, hi)
     return lo
-
-
-@triton.jit
-def _load_scaled(row, off, V, temp, BLOCK: tl.constexpr):
-    idx = off + tl.arange(0, BLOCK)
-    return tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
 
 
 @triton.jit
