@@ -82,7 +82,7 @@ def test_filtered_rows_beside_greedy_ones_decode_without_a_host_sync(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [o["finish_reason"] for o in out] == ["length"] * 12
-    assert check.checked > 30  # most decode steps ran under the check
+    assert check.checked > 20  # most of the ~40 decode steps ran under the check
     llm.check_integrity()
 
 
