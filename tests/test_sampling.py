@@ -188,7 +188,9 @@ def _sample_with(params: list[SamplingParams], logits: torch.Tensor, seeds: list
         for i, (p, s) in enumerate(zip(params, seeds))
     ]
     sampler = Sampler(CPU, len(logits))
-    args = sampler.prepare(Batch(reqs=reqs, phase="decode"), torch.zeros((1, 8), dtype=torch.int32))
+    batch = Batch(reqs=reqs, phase="decode")
+    batch.positions = torch.tensor([r.device_len - 1 for r in reqs])  # as Engine.prepare_batch sets them
+    args = sampler.prepare(batch, torch.zeros((1, 8), dtype=torch.int32))
     return sampler.sample(logits.expand(len(reqs), -1).clone(), args).tolist()
 
 
@@ -368,7 +370,9 @@ def test_no_accepted_parameters_give_nan_probabilities_or_an_impossible_token() 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * 30
     logits[::7] *= 1e3
     sampler = Sampler(CPU, vocab)
-    args = sampler.prepare(Batch(reqs=reqs, phase="decode"), tokens.to(torch.int32))
+    batch = Batch(reqs=reqs, phase="decode")
+    batch.positions = torch.full((rows,), 7)
+    args = sampler.prepare(batch, tokens.to(torch.int32))
     assert args.penalty is not None and args.temperatures is not None
 
     penalised = apply_penalties(logits, args.penalty)

@@ -16,13 +16,15 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 pytest.importorskip("triton")
 
-from minisgl.engine.sample import filter_logits, hash_uniform  # noqa: E402
+from minisgl.core import Batch, Req, SamplingParams  # noqa: E402
+from minisgl.engine.sample import Sampler, filter_logits, hash_uniform  # noqa: E402
+from minisgl.kernel import sampling as triton_sampling  # noqa: E402
 from minisgl.kernel.activation import silu_and_mul  # noqa: E402
 from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
 from minisgl.kernel.moe import align_block_size, fused_moe  # noqa: E402
 from minisgl.kernel.norm import rms_norm, rms_norm_residual  # noqa: E402
 from minisgl.kernel.rotary import apply_rotary  # noqa: E402
-from minisgl.kernel.sampling import filter_logits_partial, sample_tokens  # noqa: E402
+from minisgl.kernel.sampling import filter_thresholds, sample_tokens  # noqa: E402
 from minisgl.kernel.store import store_kv  # noqa: E402
 from minisgl.layers import activation as torch_activation  # noqa: E402
 from minisgl.layers import norm as torch_norm  # noqa: E402
@@ -187,31 +189,93 @@ def test_sampling_kernel_draws_what_the_torch_sampler_draws(vocab: int) -> None:
     assert got.tolist() == want.to(torch.int32).tolist()
 
 
+def _filter_rows(bs: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows a filter meets: peaked, flat (a 0.9 nucleus of most of the vocabulary), with banned tokens."""
+    g = torch.Generator().manual_seed(bs)
+    logits = torch.randn(bs, vocab, generator=g) * 4
+    logits[1] = torch.randn(vocab, generator=g) * 0.01
+    logits[2, : vocab // 3] = float("-inf")
+    temps = torch.tensor([1.0, 1.0, 0.7, 1.3, 0.0, 2.0])[:bs]
+    return logits, temps
+
+
 @pytest.mark.parametrize(
     "top_k, top_p, min_p",
     [
-        ([3, 1000, 50, 7], None, None),
-        (None, [0.9, 0.7, 0.5, 0.99], None),
-        ([20, 1000, 5, 1000], [0.8, 0.7, 1.0, 0.95], [0.0, 0.05, 0.0, 0.1]),
+        ([3, 1000, 50, 700, 7, 1], None, None),
+        (None, [0.9, 0.9, 0.5, 0.99, 0.3, 1e-8], None),
+        (None, None, [0.05, 0.5, 1.0, 1e-3, 0.2, 0.1]),
+        ([20, 1000, 5, 1000, 3, 900], [0.8, 0.95, 1.0, 0.95, 0.5, 0.9], [0.0, 0.05, 0.0, 0.1, 0.0, 0.0]),
     ],
 )
-def test_partial_filter_equals_the_sorting_filter(top_k, top_p, min_p) -> None:
-    g = torch.Generator().manual_seed(1)
-    logits = (torch.randn(4, 1000, generator=g) * 4).to(DEVICE)  # peaked: every nucleus fits the window
+# a window of 16 sends most rows to the exact search, one of 256 most to the sorted window
+@pytest.mark.parametrize("window", [16, 256])
+def test_threshold_filter_keeps_what_the_sorting_filter_keeps(top_k, top_p, min_p, window) -> None:
+    vocab = 1000
+    logits, temps = _filter_rows(6, vocab)
 
-    def t(values, dtype):
-        return None if values is None else torch.tensor(values, dtype=dtype, device=DEVICE)
+    def t(values, off):
+        return torch.tensor(values if values is not None else [off] * 6, dtype=torch.float32)
 
-    args = (t(top_k, torch.int64), t(top_p, torch.float32), t(min_p, torch.float32))
-    got = filter_logits_partial(logits, *args, window=256)
-    assert got is not None
-    want = filter_logits(logits, *args)
-    assert torch.equal(got > torch.finfo(got.dtype).min, want > torch.finfo(want.dtype).min)
+    args = (t(top_k, vocab), t(top_p, 1.0), t(min_p, 0.0))
+    thresholds = filter_thresholds(
+        logits.to(DEVICE), temps.to(DEVICE), *(a.to(DEVICE) for a in args), window=window
+    )
+    scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+    want = filter_logits(scaled, *args) > torch.finfo(torch.float32).min
+    got = scaled >= thresholds.cpu()[:, None]
+    # banned tokens (-inf) are never drawn, whatever side of the threshold they fall on
+    sampled, finite = temps > 0, scaled > float("-inf")
+    assert torch.equal((got & finite)[sampled], (want & finite)[sampled])
+    assert (thresholds.cpu()[~sampled] == float("-inf")).all()
 
 
-def test_partial_filter_declines_a_nucleus_past_its_window() -> None:
-    flat = torch.zeros(2, 1000, device=DEVICE)  # uniform: the 0.9 nucleus holds 900 tokens
-    assert filter_logits_partial(flat, None, torch.tensor([0.9, 0.9], device=DEVICE), None, window=64) is None
+def _sampler_batch(params: list[SamplingParams], vocab: int) -> tuple[Sampler, Batch]:
+    reqs = [
+        Req(
+            input_ids=[0] * (3 + i),
+            table_idx=i,
+            cached_len=2 + i,
+            output_len=4,
+            uid=i,
+            sampling_params=p,
+            cache_handle=None,
+            seed=1000 + i,
+        )
+        for i, p in enumerate(params)
+    ]
+    batch = Batch(reqs=reqs, phase="decode")
+    batch.positions = torch.tensor([r.cached_len for r in reqs], device=DEVICE)
+    return Sampler(DEVICE, vocab), batch
+
+
+def test_the_kernels_draw_the_torch_samplers_tokens_for_every_filter_and_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same seeds give the same tokens on the device path (threshold kernel, then the sampling
+    kernel) as on the torch path (sort, softmax, exponential race), greedy rows beside filtered ones."""
+    if not CUDA:
+        monkeypatch.setattr(triton_sampling, "WINDOW", 128)  # the interpreter sorts 2048 values slowly
+    vocab = 1000
+    params = [
+        SamplingParams(temperature=0.9, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, min_p=0.05),
+        SamplingParams(temperature=1.2, top_k=100, top_p=0.8, min_p=0.01),
+        SamplingParams(temperature=0.8),
+    ] * 4
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    sampler, batch = _sampler_batch(params, vocab)
+    args = sampler.prepare(batch, torch.zeros((len(params), 16), dtype=torch.int32, device=DEVICE))
+    got = sampler.sample(logits.to(DEVICE), args).cpu()
+    cpu_sampler, cpu_batch = Sampler(torch.device("cpu"), vocab), Batch(reqs=batch.reqs, phase="decode")
+    cpu_batch.positions = batch.positions.cpu()
+    want = cpu_sampler.sample(
+        logits, cpu_sampler.prepare(cpu_batch, torch.zeros((len(params), 16), dtype=torch.int32))
+    )
+    assert got.tolist() == want.tolist()
 
 
 def test_rotary_with_qk_norm_matches_norm_then_rotary() -> None:

@@ -5,7 +5,10 @@ input and output lengths uniform in [min_len, max_len], random.seed(0), ignore_e
 the full workload (256 requests, [100, 1024]); scale it down on a CPU, e.g.
     python benchmark/offline/bench.py --num-requests 64 --min-len 32 --max-len 256
 The peer on CPU is transformers' static batched `generate` (float32 and bf16); on CUDA it is
-transformers' continuous batching (benchmark/offline/peer_cuda.py).
+transformers' continuous batching (benchmark/offline/peer_cuda.py). `--top-k`, `--top-p` and `--min-p`
+add filters to the sampling (both sides). `--repeat N` runs the workload N times in one process: the
+first run, right after `LLM()` with nothing before it, shows what a fresh process pays (compilation the
+start-up warm-up missed); the median of the others is the warm figure compared with the peer.
 
 `--scenarios 1,16,64,prefill500` runs fixed scenarios instead of the workload and prints one table:
 N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once) and
@@ -58,9 +61,16 @@ def make_workload(num: int, lo: int, hi: int, vocab: int, seed: int) -> Workload
     return Workload(prompts, output_lens)
 
 
-def run_minisgl(args: argparse.Namespace, work: Workload, trace: str | None = None) -> tuple[Result, str]:
+def run_minisgl(
+    args: argparse.Namespace, work: Workload, trace: str | None = None
+) -> tuple[list[Result], str]:
+    """`--repeat` runs of the workload in one fresh LLM, nothing run before the first: it pays whatever
+    the start-up warm-up left to compile. Returns the first run, then the median of the later ones."""
+    from statistics import median
+
     from minisgl import LLM, SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -71,35 +81,52 @@ def run_minisgl(args: argparse.Namespace, work: Workload, trace: str | None = No
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
     )
+    print(f"LLM() ready in {time.perf_counter() - start:.1f} s (start-up, warm-up included)", flush=True)
     params = [
-        SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True, seed=i)
+        SamplingParams(
+            max_tokens=n,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            ignore_eos=True,
+            seed=i,
+        )
         for i, n in enumerate(work.output_lens)
     ]
-    llm.generate([p[:16] for p in work.prompts[:4]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(work.prompts, params)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o["token_ids"]) for o in outputs)
-    assert produced == work.output_tokens, (
-        f"minisgl produced {produced} tokens, expected {work.output_tokens}"
-    )
+    seconds = []
+    for _ in range(args.repeat or 1):
+        start = time.perf_counter()
+        outputs = llm.generate(work.prompts, params)
+        seconds.append(time.perf_counter() - start)
+        produced = sum(len(o["token_ids"]) for o in outputs)
+        assert produced == work.output_tokens, (
+            f"minisgl produced {produced} tokens, expected {work.output_tokens}"
+        )
     model_dir = llm.engine.model_dir
     dtype = str(llm.engine.config.dtype).removeprefix("torch.")
     llm.shutdown()
     tp = f", tp={args.tp_size}" if args.tp_size > 1 else ""
     name = f"minisgl ({dtype}{tp}{', traced' if trace else ''})"
-    return Result(name, elapsed, produced), model_dir
+    results = [Result(f"{name}, first run", seconds[0], work.output_tokens)]
+    if len(seconds) > 1:
+        later = f"runs 2-{len(seconds)} median" if len(seconds) > 2 else "run 2"
+        results.append(Result(f"{name}, {later}", median(seconds[1:]), work.output_tokens))
+    return results, model_dir
 
 
 def run_hf_static(
-    model_dir: str, work: Workload, dtype: torch.dtype, batch: int, temperature: float
+    model_dir: str, work: Workload, dtype: torch.dtype, batch: int, args: argparse.Namespace
 ) -> Result:
     """transformers `generate` over batches of `batch` requests, left-padded; each batch runs to its longest output."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    filters = dict(top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p or None)
     sample = (
-        dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+        dict(do_sample=True, temperature=args.temperature, **filters)
+        if args.temperature > 0
+        else dict(do_sample=False)
     )
     order = sorted(range(len(work.prompts)), key=lambda i: len(work.prompts[i]))  # less padding: a fair peer
     start = time.perf_counter()
@@ -174,7 +201,7 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
         columns.append(ours)
         for n, (prompts, new) in works.items():
             times = []
-            for _ in range(args.repeat):
+            for _ in range(args.repeat or 3):
                 start = time.perf_counter()
                 llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0))
                 times.append(time.perf_counter() - start)
@@ -198,7 +225,7 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
             for n, (prompts, new) in works.items():
                 ids = torch.tensor(prompts)
                 times = []
-                for _ in range(args.repeat):
+                for _ in range(args.repeat or 3):
                     start = time.perf_counter()
                     with torch.inference_mode():
                         model.generate(
@@ -222,7 +249,7 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
             col = f"llama.cpp ({os.path.basename(spec).split('.')[-2]})"
             columns.append(col)
             for n, (prompts, new) in works.items():
-                rate = run_llamacpp(spec, n, prompts, new, args.repeat)
+                rate = run_llamacpp(spec, n, prompts, new, args.repeat or 3)
                 if rate is not None:
                     rates[n][col] = rate
                     print(f"{n:<12} {col:<36} {rate:10.1f} tok/s", flush=True)
@@ -284,6 +311,9 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-k", type=int, default=-1, help="the workload's top_k (-1: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the workload's top_p (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="the workload's min_p (0: off)")
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
@@ -310,7 +340,13 @@ def main() -> None:
         default=None,
         help="scenarios: GGUF files to run with llama-cpp-python as a peer, comma separated",
     )
-    p.add_argument("--repeat", type=int, default=3, help="runs of each scenario (the median is reported)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="scenarios: runs of each (the median is reported; default 3); the workload: runs in one "
+        "process (default 1), the first reported apart from the median of the others",
+    )
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument(
         "--trace",
@@ -342,12 +378,20 @@ def main() -> None:
         f"workload: {len(work.prompts)} requests, lengths U[{args.min_len}, {args.max_len}], seed {args.seed}: "
         f"{work.input_tokens} prompt tokens, {work.output_tokens} output tokens; device {device}"
     )
-    results: list[Result] = []
-    ours, model_dir = run_minisgl(args, work)
-    results.append(ours)
-    print(f"{ours.name:<48} {ours.seconds:8.2f} s {ours.tokens_per_s:10.1f} output tok/s", flush=True)
+    filters = [
+        f"{k} {v}"
+        for k, v, off in (("top_k", args.top_k, -1), ("top_p", args.top_p, 1.0), ("min_p", args.min_p, 0.0))
+        if v != off
+    ]
+    print(f"sampling: temperature {args.temperature}{''.join(', ' + f for f in filters)}")
+    runs, model_dir = run_minisgl(args, work)
+    for r in runs:
+        print(f"{r.name:<48} {r.seconds:8.2f} s {r.tokens_per_s:10.1f} output tok/s", flush=True)
+    # the figure compared with the peer: warm runs where there are some
+    ours = runs[-1]
+    results: list[Result] = [ours]
     if args.trace:
-        traced, _ = run_minisgl(args, work, trace=args.trace)
+        traced = run_minisgl(args, work, trace=args.trace)[0][-1]
         print(f"{traced.name:<48} {traced.seconds:8.2f} s {traced.tokens_per_s:10.1f} output tok/s")
         print(
             f"tracing costs {100 * (traced.seconds / ours.seconds - 1):+.1f}% of the untraced time",
@@ -359,7 +403,15 @@ def main() -> None:
             from peer_cuda import run_peer
 
             n = args.peer_requests or len(work.prompts)
-            seconds = run_peer(model_dir, work.prompts[:n], work.output_lens[:n], args.temperature)
+            seconds = run_peer(
+                model_dir,
+                work.prompts[:n],
+                work.output_lens[:n],
+                args.temperature,
+                args.top_k,
+                args.top_p,
+                args.min_p,
+            )
             subset = f", first {n} requests" if n < len(work.prompts) else ""
             name = f"transformers generate_batch (bf16, paged{subset})"
             results.append(Result(name, seconds, sum(work.output_lens[:n])))
@@ -369,7 +421,7 @@ def main() -> None:
             for name in args.peer_dtypes.split(","):
                 dtype = torch.float32 if name == "float32" else torch.bfloat16
                 batch = args.peer_batch or len(work.prompts)
-                results.append(run_hf_static(model_dir, work, dtype, batch, args.temperature))
+                results.append(run_hf_static(model_dir, work, dtype, batch, args))
                 r = results[-1]
                 print(f"{r.name:<48} {r.seconds:8.2f} s {r.tokens_per_s:10.1f} output tok/s", flush=True)
         best = max(results[1:], key=lambda r: r.tokens_per_s)
@@ -382,6 +434,7 @@ def main() -> None:
                     "input_tokens": work.input_tokens,
                     "output_tokens": work.output_tokens,
                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+                    "minisgl_runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
                     "traced": asdict(traced) | {"tokens_per_s": traced.tokens_per_s} if args.trace else None,
                 },
                 f,

@@ -1,9 +1,9 @@
 """The CUDA peer: transformers' continuous batching (paged attention over SDPA, CUDA graphs) on the same
 weights and requests as minisgl.
 
-bench.py calls `run_peer(model_dir, prompts, output_lens, temperature)`; it returns the seconds from
-the first request submitted to the last one finished, warm-up (graph capture) excluded. Sampling is
-plain temperature sampling over the whole vocabulary and EOS is off, as in minisgl's run.
+bench.py calls `run_peer(model_dir, prompts, output_lens, temperature, top_k, top_p, min_p)`; it returns
+the seconds from the first request submitted to the last one finished, warm-up (graph capture) excluded.
+Sampling uses the same temperature and filters as minisgl's run, and EOS is off.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def run_peer(
     prompts: list[list[int]],
     output_lens: list[int],
     temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     dtype: str = "bfloat16",
 ) -> float:
     import torch
@@ -40,7 +43,8 @@ def run_peer(
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="paged|sdpa", device_map="cuda"
     ).eval()
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    filters = dict(top_k=max(top_k, 0), top_p=top_p, min_p=min_p or None)
+    sample = dict(do_sample=True, temperature=temperature, **filters) if temperature > 0 else {}
     gen = GenerationConfig(
         max_new_tokens=max(output_lens),
         eos_token_id=None,  # the manager turns a missing EOS into "never stop early"

@@ -169,12 +169,18 @@ def _sampler_case(bs: int) -> dict[str, Any]:
     )
     top_p = BatchSamplingArgs(**{**vars(args), "top_p": torch.full((bs,), 0.9, device="cuda")})
     top_k = BatchSamplingArgs(**{**vars(args), "top_k": torch.full((bs,), 50, device="cuda")})
+    both = BatchSamplingArgs(**{**vars(top_k), "top_p": top_p.top_p})
+    # near-uniform rows: the 0.9 nucleus holds most of the vocabulary, past the threshold kernel's
+    # window, so each row takes its exact search over the whole row (the slow path)
+    flat = torch.randn(bs, vocab, device="cuda") * 0.01
     s = Sampler(torch.device("cuda"), vocab)
     row = {
         "bs": bs,
         "fused_us": bench_ms(lambda: s.sample(logits, args)) * 1e3,
         "fused_top_p_us": bench_ms(lambda: s.sample(logits, top_p)) * 1e3,
         "fused_top_k_us": bench_ms(lambda: s.sample(logits, top_k)) * 1e3,
+        "fused_top_k_top_p_us": bench_ms(lambda: s.sample(logits, both)) * 1e3,
+        "fused_top_p_flat_us": bench_ms(lambda: s.sample(flat, top_p)) * 1e3,
     }
     use = sample_mod.use_triton
     sample_mod.use_triton = lambda x: False  # the torch sampler, on the same GPU

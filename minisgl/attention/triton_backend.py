@@ -44,9 +44,12 @@ class TritonAttnBackend(BaseAttnBackend):
         reqs = batch.padded_reqs
         rows = [r.table_idx for r in reqs]
         lens = [r.device_len for r in reqs]
+        # rows padded to 4 ints keep every row of `packed` 16-byte aligned: Triton specialises pointer
+        # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
+        pad = [0] * (-len(reqs) % 4)
         if batch.is_decode:
-            host = torch.tensor([rows, lens], dtype=torch.int32, pin_memory=pin(self.device))
-            packed = host.to(self.device, non_blocking=True)
+            host = torch.tensor([rows + pad, lens + pad], dtype=torch.int32, pin_memory=pin(self.device))
+            packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
             batch.attn_metadata = TritonAttnMetadata(
                 packed, packed[0], packed[1], num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads)
             )
@@ -56,8 +59,12 @@ class TritonAttnBackend(BaseAttnBackend):
         for n in q_lens:
             q_starts.append(total)
             total += n
-        host = torch.tensor([rows, lens, q_starts, q_lens], dtype=torch.int32, pin_memory=pin(self.device))
-        packed = host.to(self.device, non_blocking=True)
+        host = torch.tensor(
+            [rows + pad, lens + pad, q_starts + pad, q_lens + pad],
+            dtype=torch.int32,
+            pin_memory=pin(self.device),
+        )
+        packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
         batch.attn_metadata = TritonAttnMetadata(
             packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
         )

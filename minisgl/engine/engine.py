@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,13 +23,13 @@ from minisgl.engine.prepare import (
     make_write_tuple,
 )
 from minisgl.engine.sample import (
-    BatchSamplingArgs,
     LogprobsOutput,
     PromptLogprobArgs,
     PromptLogprobsOutput,
     Sampler,
     prompt_logprobs,
 )
+from minisgl.engine.warmup import warm_up
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models import ModelConfig, create_model
@@ -124,7 +125,9 @@ class Engine:
             mc.vocab_size,
         )
         if self.device.type == "cuda":
-            self._warm_up()
+            start = time.perf_counter()
+            warm_up(self)
+            logger.info_rank0(f"warm-up compiled the kernels in {time.perf_counter() - start:.1f} s")
         # captured last: the model, the pool and the backend exist, and the warm-up compiles the kernels
         self.graph_runner.capture(self.stream)
         logger.info_rank0(
@@ -239,26 +242,6 @@ class Engine:
                 "no memory is left for the KV cache; lower max_running_req or pass num_page_override"
             )
         return pages
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """A one-token prefill and a sampling step: the Triton kernels compile now, not in the first request."""
-        req = self.graph_runner.dummy_req
-        batch = Batch(reqs=[req], phase="prefill")
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        batch.input_ids = zeros.to(torch.int32)
-        batch.positions = zeros
-        batch.last_indices = zeros
-        # the pool is empty, so the dummy row's slot (the scratch page with graphs) is free to write
-        batch.out_loc = self.page_table[req.table_idx, :1].to(torch.int64)
-        self.attn_backend.prepare_metadata(batch)
-        with self.ctx.forward_batch(batch):
-            logits = self.model.forward()
-        args = BatchSamplingArgs(
-            greedy=False, temperatures=torch.ones_like(logits[:, :1]), seeds=zeros, steps=zeros
-        )
-        self.sampler.sample(logits, args)
-        torch.cuda.synchronize(self.device)
 
     def prepare_batch(self, batch: Batch, eos_token_ids: Sequence[int] = ()) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.

@@ -8,7 +8,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.engine.sample import BatchSamplingArgs
-from minisgl.utils.torch_utils import pin
+from minisgl.utils.torch_utils import pin, to_device_async
 
 Indice2D = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,10 +31,10 @@ def make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
     """[cached_len, device_len) of every request, packed into one dimension."""
     starts, lens = _lens(batch)
     if batch.is_decode:
-        return starts.pin_memory().to(device, non_blocking=True) if pin(device) else starts
+        return to_device_async(starts, device)
     offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
     pos = torch.arange(int(lens.sum())) - offsets + torch.repeat_interleave(starts, lens)
-    return pos.to(device, non_blocking=True)
+    return to_device_async(pos, device)
 
 
 def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
@@ -42,7 +42,7 @@ def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
     rows = torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64)
     if not batch.is_decode:  # a decode step has one input a row: nothing to repeat
         rows = torch.repeat_interleave(rows, _lens(batch)[1])
-    return rows.to(device, non_blocking=True), batch.positions
+    return to_device_async(rows, device), batch.positions
 
 
 def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
@@ -61,4 +61,4 @@ def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
 
 def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:
     _, lens = _lens(batch)
-    return (torch.cumsum(lens, 0) - 1).to(device, non_blocking=True)
+    return to_device_async(torch.cumsum(lens, 0) - 1, device)

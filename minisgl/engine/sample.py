@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.constrained.grammar import apply_token_mask
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.kernel import use_triton
 from minisgl.utils.torch_utils import pin
 
@@ -44,7 +44,7 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
 class BatchSamplingArgs:
     greedy: bool  # every request greedy and unpenalised: a plain argmax
     temperatures: torch.Tensor | None = None  # [B, 1]; 0 rows are greedy
-    top_k: torch.Tensor | None = None  # [B]; vocab size where off
+    top_k: torch.Tensor | None = None  # [B] (float32 from the sampler); vocab size where off
     top_p: torch.Tensor | None = None  # [B]
     min_p: torch.Tensor | None = None  # [B]
     seeds: torch.Tensor | None = None  # [B] int64
@@ -127,10 +127,26 @@ class PenaltyArgs:
             self.tokens = torch.where(self.is_token, token_pool[self.rows, :width].to(torch.int64), 0)
 
 
+@dataclass
+class _RowParams:
+    """What the sampler derives from the requests of a batch alone, kept while the same requests decode."""
+
+    reqs: list[Req]  # the very objects: uids restart with each offline generate call
+    greedy: bool
+    penalised: bool
+    top_logprobs: int | None
+    # on the device: temperature (0: greedy), top_k, top_p and min_p of each row; each filter row is
+    # handed out only if some request of the batch uses it (the CPU filters skip what no row uses)
+    packed: torch.Tensor | None
+    seeds: torch.Tensor | None
+    uses: tuple[bool, bool, bool]
+
+
 class Sampler:
     def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.vocab_size = vocab_size
+        self._rows: _RowParams | None = None
 
     def _to(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin(self.device)).to(
@@ -141,36 +157,68 @@ class Sampler:
         self, batch: Batch, token_pool: torch.Tensor, eos_token_ids: Sequence[int] = ()
     ) -> BatchSamplingArgs:
         """Sampling arguments of the batch; `token_pool` holds every request's tokens (for penalties);
-        `eos_token_ids` are held back, with each request's stop ids, until it has min_tokens tokens."""
+        `eos_token_ids` are held back, with each request's stop ids, until it has min_tokens tokens.
+        `batch.positions` (and in a prefill `batch.last_indices`) must be on the device already."""
         args = self._prepare(batch, token_pool)
         args.bias = self._prepare_bias(batch, eos_token_ids)
         return args
 
-    def _prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
+    def _row_params(self, batch: Batch) -> _RowParams:
+        """The per-row parameters, built and copied once per batch composition: a decode batch keeps its
+        requests for many steps, and then a step costs no host work and no copy for them."""
         reqs = batch.reqs
+        last = self._rows
+        if last is not None and len(last.reqs) == len(reqs) and all(a is b for a, b in zip(last.reqs, reqs)):
+            return last
         params = [r.sampling_params for r in reqs]
         penalised = any(p.has_penalty for p in params)
         # computed only when a request of the batch asks: it costs a log_softmax over the vocabulary
         top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if all(p.is_greedy for p in params) and not penalised:
-            return BatchSamplingArgs(greedy=True, top_logprobs=top_logprobs)
+        greedy = all(p.is_greedy for p in params) and not penalised
+        packed = seeds = None
         v = self.vocab_size
+        uses = (
+            any(0 < p.top_k < v for p in params),
+            any(p.top_p < 1.0 for p in params),
+            any(p.min_p > 0.0 for p in params),
+        )
+        if not greedy:
+            # one pinned buffer, one asynchronous copy: no host wait, whatever the device is doing;
+            # rows padded to 4 floats keep every row 16-byte aligned, so Triton compiles one kernel
+            # for any batch size (it specialises pointer arguments on that alignment)
+            pad = [0.0] * (-len(params) % 4)
+            packed = self._to(
+                [
+                    [p.temperature if not p.is_greedy else 0.0 for p in params] + pad,
+                    [p.top_k if 0 < p.top_k < v else v for p in params] + pad,
+                    [p.top_p for p in params] + pad,
+                    [p.min_p for p in params] + pad,
+                ],
+                torch.float32,
+            )[:, : len(params)]
+            seeds = self._to([r.seed for r in reqs], torch.int64)
+        self._rows = _RowParams(list(reqs), greedy, penalised, top_logprobs, packed, seeds, uses)
+        return self._rows
+
+    def _prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
+        rows = self._row_params(batch)
+        if rows.greedy:
+            return BatchSamplingArgs(greedy=True, top_logprobs=rows.top_logprobs)
+        assert rows.packed is not None
+        # the noise counter is the position of the token drawn, device_len: one past the last input's
+        last = batch.positions[batch.last_indices] if batch.is_prefill else batch.positions[: batch.size]
+        top_k, top_p, min_p = (rows.packed[i + 1] if used else None for i, used in enumerate(rows.uses))
         args = BatchSamplingArgs(
             greedy=False,
-            temperatures=self._to(
-                [[p.temperature if not p.is_greedy else 0.0] for p in params], torch.float32
-            ),
-            seeds=self._to([r.seed for r in reqs], torch.int64),
-            steps=self._to([r.device_len for r in reqs], torch.int64),
-            top_logprobs=top_logprobs,
+            temperatures=rows.packed[0][:, None],
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=rows.seeds,
+            steps=last.to(torch.int64) + 1,
+            top_logprobs=rows.top_logprobs,
         )
-        if any(0 < p.top_k < v for p in params):
-            args.top_k = self._to([p.top_k if 0 < p.top_k < v else v for p in params], torch.int64)
-        if any(p.top_p < 1.0 for p in params):
-            args.top_p = self._to([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in params):
-            args.min_p = self._to([p.min_p for p in params], torch.float32)
-        if penalised:
+        if rows.penalised:
             args.penalty = self._prepare_penalty(batch, token_pool)
         return args
 
@@ -241,7 +289,7 @@ class Sampler:
             from minisgl.kernel.sampling import sample
 
             filters = (args.top_k, args.top_p, args.min_p)
-            return sample(logits, args.temperatures, args.seeds, args.steps, *filters, filter_logits)
+            return sample(logits, args.temperatures, args.seeds, args.steps, *filters)
         greedy_tokens = torch.argmax(logits, dim=-1)
         probs = sampling_probs(logits, args)
         # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws token i with probability p_i

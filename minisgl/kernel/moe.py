@@ -69,7 +69,8 @@ def align_block_size(
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
-@triton.jit
+# the pair count changes with every batch: unspecialised, one compiled kernel serves them all
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     A,
     B,

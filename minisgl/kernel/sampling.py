@@ -1,15 +1,19 @@
 """Sampling on the GPU: temperature, noise and argmax in one read of the logits (chunks of each row in
-parallel, then a merge of the chunks' winners), and top-k/top-p from a partial sort.
+parallel, then a merge of the chunks' winners), and top-k/top-p/min-p as one threshold per row.
 
 The torch sampler draws token i with probability p_i as argmax p_i / E_i with E_i = -log U_i and U_i
 from a hash of (seed, step, i). Taking logs, that is argmax l_i / T - log(-log U_i): no softmax and no
 [B, V] temporaries, one read of the logits. The kernel computes the same hash bit for bit, so a seed
 gives the same noise on both paths.
+
+The filters keep a set of the form {i : l_i / T >= threshold}, so each row needs one number, found on
+the device (`_threshold_kernel`): from the row's top tokens, gathered into a window and sorted, or for
+a flat row whose kept set does not fit the window, from an exact search over the whole row. Nothing is
+read back to the host and no shape depends on the data, so a filtered batch keeps the overlap loop's
+pipelining.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import triton
@@ -23,12 +27,14 @@ def _sample_chunk_kernel(
     Temps,
     Seeds,
     Steps,
+    Thresh,
     BestV,
     BestI,
     V,
     CHUNK,
     NUM_CHUNKS: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_THRESH: tl.constexpr,
 ):
     # each program takes one chunk of one row: a row alone is too long a serial loop for one program
     r = tl.program_id(0)
@@ -40,6 +46,10 @@ def _sample_chunk_kernel(
     base = seed * 0x9E3779B97F4A7C15 + step * 0x94D049BB133111EB
     greedy = temp <= 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
+    # a greedy row's argmax is kept by every filter, so the threshold only applies to sampled rows
+    thresh = float("-inf")
+    if HAS_THRESH:
+        thresh = tl.load(Thresh + r)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     end = tl.minimum(c * CHUNK + CHUNK, V)
@@ -52,8 +62,9 @@ def _sample_chunk_kernel(
         x = (x ^ (x >> 27)) * 0x94D049BB133111EB
         x = x ^ (x >> 31)
         u = ((x >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        noisy = tl.div_rn(logit, safe_temp) - tl.log(-tl.log(u))
-        score = tl.where(greedy, logit, tl.where(mask, noisy, float("-inf")))
+        scaled = tl.div_rn(logit, safe_temp)
+        noisy = scaled - tl.log(-tl.log(u))
+        score = tl.where(greedy, logit, tl.where(mask & (scaled >= thresh), noisy, float("-inf")))
         better = score > best_v  # strict: each lane keeps its first maximum, as torch.argmax does
         best_v = tl.where(better, score, best_v)
         best_i = tl.where(better, idx, best_i)
@@ -74,9 +85,14 @@ def _sample_merge_kernel(BestV, BestI, Out, V, NUM_CHUNKS: tl.constexpr):
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    thresholds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits: [B, V] (masked entries -inf); temperatures: [B] or [B, 1] (0: greedy); seeds, steps: [B] int64."""
+    """logits: [B, V] (masked entries -inf); temperatures: [B] or [B, 1] (0: greedy); seeds, steps: [B] int64;
+    thresholds: [B] float32, the sampled rows draw only among tokens with logit / T >= their threshold."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.int32, device=logits.device)
     if bs == 0:
@@ -95,66 +111,212 @@ def sample_tokens(
         temps,
         seeds.contiguous(),
         steps.contiguous(),
+        thresholds if thresholds is not None else temps,
         best_v,
         best_i,
         vocab,
         chunk,
         NUM_CHUNKS=num_chunks,
         BLOCK=block,
+        HAS_THRESH=thresholds is not None,
         num_warps=4,
     )
     _sample_merge_kernel[(bs,)](best_v, best_i, out, vocab, NUM_CHUNKS=num_chunks, num_warps=1)
     return out
 
 
-def filter_logits_partial(
-    logits: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    window: int = 1024,
-) -> torch.Tensor | None:
-    """sample.filter_logits from the top `window` tokens of each row instead of a sort of the vocabulary.
+# the most tokens a row's kept set may have for the sorted-window path (a power of two: the sort's size);
+# top-k up to this, and the top-p nucleus of any but a flat distribution, take it
+WINDOW = 2048
 
-    Exact when every row's kept set fits in the window (top-k <= window, and the top-p nucleus inside
-    it); returns None otherwise, and the caller sorts the whole vocabulary instead. The checks read
-    back from the device, so a batch that uses these filters waits for its forward pass here.
+
+@triton.jit
+def _load_scaled(row, off, V, temp, BLOCK: tl.constexpr):
+    idx = off + tl.arange(0, BLOCK)
+    return tl.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), temp)
+
+
+# order-preserving int32 keys of float32 values: a >= b as floats exactly when key(a) >= key(b)
+# (except -0.0 < +0.0); key(-inf) = -2139095041 bounds every search from below
+@triton.jit
+def _key(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _unkey(key):
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _search(row, V, temp, lo, hi, target, m, floor, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest key K in [lo, hi] whose mass reaches `target`: the number of tokens with x >= unkey(K),
+    or with MASS the sum of exp(x - m) over the tokens with x >= unkey(K) and x >= floor (x = logit / T).
+
+    Sixteen pivots a pass, so eight passes over the row narrow any range of 2**32 keys to one: the
+    answer is exact, in a fixed number of steps whatever the data.
     """
+    j = tl.arange(0, 16)
+    for _ in tl.static_range(8):
+        step = (hi - lo + 16) // 16
+        pivots = _unkey(lo + j.to(tl.int64) * step)
+        acc = tl.zeros([16], tl.float32)
+        for off in range(0, V, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            if MASS:
+                w = tl.where(x >= floor, tl.exp(x - m), 0.0)
+            else:
+                # banned tokens (-inf) do not count: a top-k past the others keeps them all
+                w = tl.where(x > float("-inf"), 1.0, 0.0)
+            acc += tl.sum(tl.where(x[:, None] >= pivots[None, :], w[:, None], 0.0), 0)
+        # pivot 0 is lo, which reaches the target (or is the lower bound the answer cannot be below)
+        best = tl.max(tl.where(acc >= target, j, 0), 0).to(tl.int64)
+        lo = lo + best * step
+        hi = tl.minimum(lo + step - 1, hi)
+    return lo
+
+
+@triton.jit
+def _exact_threshold(row, V, temp, m, floor, k, p, BLOCK: tl.constexpr):
+    """The threshold from searches over the whole row: 8 passes for top-k, 9 for top-p (the fallback)."""
+    thresh = floor
+    hi = _key(m)
+    if k < V:
+        # top-k ranks every token (those min-p drops too): the k-th largest x
+        lo = tl.maximum(_key(thresh), -2139095041)
+        thresh = tl.maximum(thresh, _unkey(_search(row, V, temp, lo, hi, k, m, thresh, False, BLOCK)))
+    if p < 1.0:
+        # top-p: the fewest most likely tokens whose mass, over what min-p and top-k kept, reaches p
+        total = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            total += tl.where(x >= thresh, tl.exp(x - m), 0.0)
+        lo = tl.maximum(_key(thresh), -2139095041)
+        nucleus = _search(row, V, temp, lo, hi, p * tl.sum(total, 0), m, thresh, True, BLOCK)
+        thresh = tl.maximum(thresh, _unkey(nucleus))
+    return thresh
+
+
+@triton.jit
+def _window_threshold(
+    row, V, temp, Window, cut, m, floor, k, p, kept_mass, BLOCK: tl.constexpr, WINDOW: tl.constexpr
+):
+    """The threshold from the tokens with x >= cut (at most WINDOW of them, and every token the filters
+    keep among them), gathered, sorted, and filtered as sample.filter_logits does: one more pass."""
+    count = tl.full([], 0, tl.int32)
+    for off in range(0, V, BLOCK):
+        x = _load_scaled(row, off, V, temp, BLOCK)
+        take = (x >= cut).to(tl.int32)
+        tl.store(Window + count + tl.cumsum(take, 0) - take, x, mask=take > 0)
+        count += tl.sum(take, 0)
+    tl.debug_barrier()  # the window was written by every thread of the program
+    w = tl.arange(0, WINDOW)
+    values = tl.sort(tl.load(Window + w, mask=w < count, other=float("-inf")), descending=True)
+    thresh = floor
+    if k < V:
+        thresh = tl.maximum(thresh, tl.sum(tl.where(w == k.to(tl.int32) - 1, values, 0.0), 0))
+    if p < 1.0:
+        e = tl.where(values >= thresh, tl.exp(values - m), 0.0)
+        # top-p normalises over what top-k kept (all in the window), or else over what min-p kept
+        probs = e / tl.where(k < V, tl.sum(e, 0), kept_mass)
+        # keep a token while the mass before it is below top_p: the first token always stays
+        keep = (tl.cumsum(probs, 0) - probs < p) & (values >= thresh)
+        thresh = tl.maximum(thresh, tl.min(tl.where(keep, values, float("inf")), 0))
+    return thresh
+
+
+@triton.jit
+def _threshold_kernel(
+    Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, Windows, V, BLOCK: tl.constexpr, WINDOW: tl.constexpr
+):
+    # one program per row; a row's filters that are off (k = V, p = 1, min_p = 0) cost no pass
+    r = tl.program_id(0)
+    row = Logits + r * stride_l
+    temp = tl.load(Temps + r)
+    k = tl.load(TopK + r)
+    p = tl.load(TopP + r)
+    min_p = tl.load(MinP + r)
+    thresh = tl.full([], float("-inf"), tl.float32)
+    if temp > 0.0:
+        m = tl.full([], float("-inf"), tl.float32)
+        least = tl.full([], float("inf"), tl.float32)
+        for off in range(0, V, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            m = tl.maximum(m, tl.max(x, 0))
+            least = tl.minimum(least, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
+        # min-p: p_i < min_p * p_max  <=>  x_i < m + log(min_p); log(0) = -inf keeps every token
+        thresh = m + tl.log(min_p)
+        if (k < V) | (p < 1.0):
+            # sixteen cuts from just below the top to the smallest x: the count and the mass above each
+            j = tl.arange(0, 16)
+            cuts = m - (m - least) * tl.exp2((j - 15).to(tl.float32) * 0.5)
+            counts = tl.zeros([BLOCK, 16], tl.float32)
+            masses = tl.zeros([BLOCK, 16], tl.float32)
+            kept = tl.zeros([BLOCK], tl.float32)
+            for off in range(0, V, BLOCK):
+                x = _load_scaled(row, off, V, temp, BLOCK)
+                e = tl.where(x >= thresh, tl.exp(x - m), 0.0)
+                above = x[:, None] >= cuts[None, :]
+                counts += tl.where(above, 1.0, 0.0)
+                masses += tl.where(above, e[:, None], 0.0)
+                kept += e
+            count, mass, kept_mass = tl.sum(counts, 0), tl.sum(masses, 0), tl.sum(kept, 0)
+            # the highest cut above which lie the k largest, or (top-k off) the top-p nucleus
+            covers = tl.where(k < V, count >= k, mass >= p * kept_mass)
+            first = tl.min(tl.where(covers, j, 16), 0)
+            if (first < 16) & (tl.sum(tl.where(j == first, count, 0.0), 0) <= WINDOW):
+                cut = tl.sum(tl.where(j == first, cuts, 0.0), 0)
+                window = Windows + r * WINDOW
+                thresh = _window_threshold(
+                    row, V, temp, window, cut, m, thresh, k, p, kept_mass, BLOCK, WINDOW
+                )
+            else:
+                # a flat row: the kept set does not fit the window
+                thresh = _exact_threshold(row, V, temp, m, thresh, k, p, BLOCK)
+    tl.store(Thresh + r, thresh)
+
+
+def filter_thresholds(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """[B] float32: each sampled row keeps the tokens with logit / T >= its threshold, which is what
+    sample.filter_logits keeps of the tempered logits (ties at the edge of a top-k or top-p set are all
+    kept; the sort keeps an arbitrary few of them). top_k is the vocabulary size, top_p 1 and min_p 0
+    where a row does not filter (all [B] float32); greedy rows get -inf.
+
+    Three passes over a row when its kept set lies among its `window` (WINDOW) largest tokens,
+    as it does for a top-k below the window and for the nucleus of a peaked distribution; a flat row
+    takes the exact search instead (up to 19 passes). Which one is decided on the device, per row."""
     bs, vocab = logits.shape
-    neg_inf = torch.finfo(logits.dtype).min
-    if min_p is not None:
-        # probs < max_prob * min_p  <=>  logit < max_logit + log(min_p)
-        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None])
-        logits = logits.masked_fill(logits < floor, neg_inf)
-    if top_k is None and top_p is None:
-        return logits
-    window = min(window, vocab)
-    rows_k = top_k if top_k is not None else torch.full((bs,), vocab, device=logits.device)
-    limited = rows_k < vocab
-    rows_p = top_p if top_p is not None else torch.ones(bs, device=logits.device)
-    nucleus = rows_p < 1.0
-    if bool((limited & (rows_k > window)).any().item()):
-        return None
-    values, order = logits.topk(window, dim=-1)  # sorted, descending
-    rank = torch.arange(window, device=logits.device)[None, :]
-    drop = rank >= rows_k[:, None]
-    values = values.masked_fill(drop, neg_inf)
-    if top_p is not None:
-        # top-p normalises over what top-k kept: the window, or the whole row where top-k is off
-        lse = torch.where(
-            limited[:, None],
-            torch.logsumexp(values, dim=-1, keepdim=True),
-            torch.logsumexp(logits, dim=-1, keepdim=True),
-        )
-        probs = torch.exp(values - lse)
-        before = torch.cumsum(probs, dim=-1) - probs
-        reach = before[:, -1] + probs[:, -1]
-        if bool(((reach < rows_p) & nucleus & ~limited).any().item()):
-            return None  # a nucleus reaches past the window
-        drop |= before >= rows_p[:, None]
-    filtered = torch.full_like(logits, neg_inf).scatter_(1, order, values.masked_fill(drop, neg_inf))
-    untouched = ~limited & ~nucleus
-    return torch.where(untouched[:, None], logits, filtered)
+    out = torch.empty(bs, dtype=torch.float32, device=logits.device)
+    if bs == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    window = window or WINDOW
+    windows = torch.empty((bs, window), dtype=torch.float32, device=logits.device)
+    _threshold_kernel[(bs,)](
+        logits,
+        logits.stride(0),
+        temperatures.reshape(-1).to(torch.float32).contiguous(),
+        top_k.to(torch.float32).contiguous(),
+        top_p.to(torch.float32).contiguous(),
+        min_p.to(torch.float32).contiguous(),
+        out,
+        windows,
+        vocab,
+        BLOCK=512,
+        WINDOW=window,
+        num_warps=8,
+    )
+    return out
 
 
 def sample(
@@ -165,15 +327,18 @@ def sample(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
-    full_filter: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
-    """The GPU version of Sampler.sample after penalties; `full_filter` is the sorting filter to fall back on."""
+    """The GPU version of Sampler.sample after penalties; a filter is None where no row of the batch uses
+    it. Two launches without filters, three with (plus a fill for each filter the batch leaves off)."""
     if top_k is None and top_p is None and min_p is None:
         return sample_tokens(logits, temperatures, seeds, steps)
-    temps = temperatures.reshape(-1)
-    # the filters see the tempered distribution, as in the torch sampler
-    scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
-    filtered = filter_logits_partial(scaled, top_k, top_p, min_p)
-    if filtered is None:
-        filtered = full_filter(scaled, top_k, top_p, min_p)
-    return sample_tokens(filtered, (temps > 0).to(torch.float32), seeds, steps)
+    bs, vocab = logits.shape
+
+    def rows(t: torch.Tensor | None, off: float) -> torch.Tensor:
+        # one dtype for every filter: the kernel compiles once
+        return logits.new_full((bs,), off, dtype=torch.float32) if t is None else t.to(torch.float32)
+
+    thresholds = filter_thresholds(
+        logits, temperatures, rows(top_k, vocab), rows(top_p, 1.0), rows(min_p, 0.0)
+    )
+    return sample_tokens(logits, temperatures, seeds, steps, thresholds)

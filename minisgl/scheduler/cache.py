@@ -16,6 +16,7 @@ import torch
 from minisgl.core import Req
 from minisgl.kvcache.base import BasePrefixCache, MatchResult, NaivePrefixCache
 from minisgl.utils.misc import align_up, div_ceil
+from minisgl.utils.torch_utils import to_device_async
 
 
 def create_prefix_cache(cache_type: str, page_size: int) -> BasePrefixCache:
@@ -107,8 +108,10 @@ class CacheManager:
         slots = (
             torch.tensor([w[2] for w in writes], dtype=torch.int32)[:, None] * ps + self._offsets
         ).reshape(-1)
-        dev = self.device
-        self.page_table[rows.to(dev), cols.to(dev)] = slots.to(dev)
+        # one asynchronous copy: a decode step writes pages here every step, and a blocking copy would
+        # stop the host until it lands
+        packed = to_device_async(torch.stack([rows, cols, slots.to(torch.int64)]), self.device)
+        self.page_table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # ---- release ---------------------------------------------------------------------------
     @contextmanager

@@ -49,6 +49,12 @@ def pin(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting: from pageable memory the host would wait for
+    the stream before staging the copy, so beside CUDA the tensor goes through pinned memory first."""
+    return (t.pin_memory() if pin(device) else t).to(device, non_blocking=True)
+
+
 def create_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 

@@ -1,0 +1,105 @@
+"""The start-up warm-up on CUDA: a few tiny steps that reach every Triton kernel variant a workload reaches,
+so that the first request runs at full speed instead of waiting for compilation.
+
+Triton compiles a kernel once per combination of its constexpr values, its dtypes, and what it
+specialises the other arguments on: an integer equal to 1 or divisible by 16, a pointer aligned to
+16 bytes. The variants a workload reaches, and where each is compiled:
+- the model in a prefill (extend attention, rotary, KV store, norms, activation): one step compiles
+  them for every length, as no argument of theirs depends on the token count; the MoE kernel's row
+  block height follows the tokens per expert, so one step per height (`_prefill_lengths`);
+- the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);
+  an eager decode step here covers batches above the largest graph;
+- sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
+  penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too).
+Batch sizes add no variants: the per-row buffers are padded to keep every pointer 16-byte aligned
+(sample.Sampler, TritonAttnBackend.prepare_metadata), and counts that vary are left unspecialised.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+
+# one request per sampling mode: every kernel of the sampling path runs in one batch
+MIXED = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.7, top_k=20),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=0.7, min_p=0.1),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5),
+    SamplingParams(repetition_penalty=1.1, logit_bias={1: -2.0}, logprobs=2, min_tokens=4),
+]
+
+
+def _prefill_lengths(engine: Engine) -> list[int]:
+    """Token counts of the plain prefill steps: one token, a few, and on MoE models one step for each
+    row block height of the fused kernel (kernel/moe.py: moe_config picks it from tokens per expert)."""
+    mc = engine.model_config
+    lengths = [1, 17]
+    if mc.num_experts and mc.num_experts_per_tok:
+        for per_expert in (17, 65):
+            lengths.append(-(-per_expert * mc.num_experts // mc.num_experts_per_tok))
+    return lengths
+
+
+def _requests(engine: Engine, total: int, params: list[SamplingParams]) -> list[Req]:
+    """Requests of `total` prompt tokens over table rows 0, 1, ..., each at most a row long, with the
+    sampling parameters taken in turn; their page-table rows point at the pool's first slots."""
+    longest = engine.max_seq_len - 2  # room for the decode step after the prefill
+    rows = engine.config.max_running_req
+    slots = engine.num_pages * engine.page_size
+    total = min(total, rows * longest, slots - rows)
+    count = max(len(params), -(-total // longest))
+    count = min(count, rows, max(1, total))
+    reqs, used, placed = [], 0, 0
+    for i in range(count):
+        n = max(1, min(longest, (total - placed) // (count - i)))
+        placed += n
+        reqs.append(
+            Req(
+                input_ids=[0] * n,
+                table_idx=i,
+                cached_len=0,
+                output_len=2,
+                uid=-2 - i,
+                sampling_params=params[i % len(params)],
+                cache_handle=None,
+                seed=i,
+            )
+        )
+        # n prompt slots and one for the decode step; the pool is empty, any slot is free to write
+        engine.page_table[i, : n + 1] = torch.arange(used, used + n + 1, dtype=torch.int32)
+        used += n + 1
+    return reqs
+
+
+def _step(engine: Engine, reqs: list[Req], phase: str) -> None:
+    batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+    engine.forward_batch(engine.prepare_batch(batch, eos_token_ids=(0,)))
+    for r in reqs:
+        r.complete_one()
+
+
+@torch.inference_mode()
+def warm_up(engine: Engine) -> None:
+    """Run the warm-up steps through the engine's own prepare and forward, then clear what they wrote."""
+    for total in _prefill_lengths(engine):
+        _step(engine, _requests(engine, total, [SamplingParams()]), "prefill")
+    temperature_only = _requests(engine, 40, [SamplingParams(temperature=0.7)] * 3)
+    _step(engine, temperature_only, "prefill")
+    mixed = _requests(engine, 40, MIXED)
+    _step(engine, mixed, "prefill")
+    # eager decode: graphs are captured after the warm-up, so this runs without them
+    _step(engine, mixed, "decode")
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    rows = engine.config.max_running_req
+    engine.page_table[:rows].zero_()
+    engine.token_pool[:rows].zero_()

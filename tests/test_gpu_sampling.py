@@ -1,0 +1,192 @@
+"""The CUDA sampling path inside the overlap loop, and the start-up warm-up: run with `pytest -m gpu`.
+
+- A batch of top-k / top-p / min-p rows beside greedy ones decodes without one host synchronisation:
+  torch's sync debug mode turns any into an error during the steady-state decode steps.
+- Seeded tokens do not depend on CUDA graphs or on the overlap loop.
+- After `LLM(...)` returns, a workload of every sampling mode, many prompt lengths and batch sizes
+  compiles no Triton kernel: the warm-up (engine/warmup.py) compiled every variant it reaches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from tiny import random_prompts
+
+from minisgl.core import Batch, SamplingParams
+from minisgl.env import ENV
+from minisgl.llm import LLM
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def filtered_and_greedy(n: int, max_tokens: int = 24) -> list[SamplingParams]:
+    modes: list[dict[str, Any]] = [
+        dict(temperature=0.8, top_k=50),
+        dict(),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=0.7, min_p=0.05),
+        dict(temperature=0.9, top_k=20, top_p=0.8, min_p=0.02),
+        dict(temperature=0.6),
+    ]
+    return [
+        SamplingParams(max_tokens=max_tokens - i % 5, ignore_eos=True, seed=i, **modes[i % len(modes)])
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def overlap_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+
+
+class DecodeSyncCheck:
+    """A step observer: from the second decode step of a run of decode steps on, any host synchronisation
+    (.item(), a blocking copy, a synchronize call) raises, until the next prefill or idle step."""
+
+    def __init__(self) -> None:
+        self.run = 0
+        self.checked = 0
+
+    def __call__(self, batch: Batch | None) -> None:
+        if batch is None or batch.is_prefill:
+            self.run = 0
+            torch.cuda.set_sync_debug_mode("default")
+            return
+        self.run += 1
+        if self.run >= 2:
+            self.checked += 1
+            torch.cuda.set_sync_debug_mode("error")
+
+
+def test_filtered_rows_beside_greedy_ones_decode_without_a_host_sync(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], overlap_on: None
+) -> None:
+    llm = make_llm(tiny_model("qwen3"), device="cuda", max_running_req=8)
+    assert llm.engine.graph_runner.graphs
+    prompts = random_prompts(12, seed=3, max_len=40)
+    check = DecodeSyncCheck()
+    llm.step_observers.append(check)
+    try:
+        out = llm.generate(prompts, filtered_and_greedy(12))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [o["finish_reason"] for o in out] == ["length"] * 12
+    assert check.checked > 20  # most of the ~40 decode steps ran under the check
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_seeded_filtered_tokens_are_the_same_with_graphs_on_and_off(
+    overlap: bool,
+    tiny_model: Callable[[str], str],
+    make_llm: Callable[..., LLM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", not overlap)
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(10, seed=8, max_len=40)
+    params = filtered_and_greedy(10)
+    tokens = {}
+    for graphs in (True, False):
+        llm = make_llm(folder, device="cuda", max_running_req=4, cuda_graph_max_bs=None if graphs else 0)
+        assert bool(llm.engine.graph_runner.graphs) == graphs
+        tokens[graphs] = [o["token_ids"] for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    assert tokens[True] == tokens[False]
+    # the filters really sampled: a seed changes the sampled rows' tokens, never the greedy ones'
+    llm = make_llm(folder, device="cuda", max_running_req=4)
+    reseeded = [replace(p, seed=i + 100) for i, p in enumerate(params)]
+    again = [o["token_ids"] for o in llm.generate(prompts, reseeded)]
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    assert [again[i] for i in greedy] == [tokens[True][i] for i in greedy]
+    assert again != tokens[True]
+
+
+def compiled_variants() -> int:
+    """Triton kernels compiled so far for the project's @triton.jit functions (all devices)."""
+    from triton.runtime.jit import JITFunction
+
+    import minisgl.kernel
+
+    total = 0
+    for info in pkgutil.iter_modules(minisgl.kernel.__path__):
+        module = importlib.import_module(f"minisgl.kernel.{info.name}")
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                # triton keeps (kernel cache, ...) per device; the first item maps keys to kernels
+                total += sum(len(c[0] if isinstance(c, tuple) else c) for c in fn.device_caches.values())
+    return total
+
+
+@contextmanager
+def compilations() -> Iterator[list[str]]:
+    """The names of the kernels Triton compiles inside the block (its post-compile hook, triton >= 3.4)."""
+    import triton
+
+    names: list[str] = []
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        yield names
+        return
+
+    def hook(*args: Any, **kwargs: Any) -> bool:
+        fn = kwargs.get("fn")
+        names.append(getattr(fn, "name", repr(fn)))
+        return False
+
+    old = runtime.jit_post_compile_hook
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        runtime.jit_post_compile_hook = old
+
+
+def every_mode(n: int) -> list[SamplingParams]:
+    modes: list[dict[str, Any]] = [
+        dict(),
+        dict(temperature=0.7),
+        dict(temperature=0.7, top_k=40),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=0.7, min_p=0.1),
+        dict(temperature=1.1, top_k=200, top_p=0.95, min_p=0.01),
+        dict(presence_penalty=0.5, frequency_penalty=0.3),
+        dict(temperature=0.8, repetition_penalty=1.2),
+        dict(logit_bias={5: -100.0, 7: 2.0}),
+        dict(logprobs=3),
+        dict(temperature=0.5, prompt_logprobs=2),
+        dict(temperature=0.9, min_tokens=6, stop_token_ids=[3]),
+    ]
+    return [SamplingParams(max_tokens=4 + i % 13, seed=i, **modes[i % len(modes)]) for i in range(n)]
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3-moe"])
+def test_a_workload_after_start_up_compiles_no_triton_kernel(
+    variant: str, tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], overlap_on: None
+) -> None:
+    llm = make_llm(tiny_model(variant), device="cuda", max_running_req=16, max_extend_tokens=512)
+    compiled = compiled_variants()
+    assert compiled > 0  # the warm-up and the graph capture compiled the kernels
+    # the tiny models take 512 positions: prompt and output stay within them
+    lengths = [1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 64, 100, 127, 200, 300, 480]
+    prompts = [p[:n] for p, n in zip(random_prompts(40, seed=11, min_len=600, max_len=700), lengths * 3)]
+    with compilations() as names:
+        # batches of every size up to 16 in decode, prefills of 1 to 16 requests (and chunked ones)
+        llm.generate(prompts, every_mode(len(prompts)))
+        llm.generate(prompts[:5], SamplingParams(max_tokens=9, temperature=0.7))
+        llm.generate(prompts[5:9], SamplingParams(max_tokens=9))
+        # a shared prefix: extend steps over a cached prefix
+        llm.generate([prompts[-1] + [3, 4], prompts[-1] + [5]], SamplingParams(max_tokens=3))
+    assert names == [] and compiled_variants() == compiled, f"compiled after start-up: {names}"
+    llm.check_integrity()
