@@ -5,7 +5,8 @@ input and output lengths uniform in [min_len, max_len], random.seed(0), ignore_e
 the full workload (256 requests, [100, 1024]); scale it down on a CPU, e.g.
     python benchmark/offline/bench.py --num-requests 64 --min-len 32 --max-len 256
 The peer on CPU is transformers' static batched `generate` (float32 and bf16); on CUDA it is
-transformers' continuous batching (benchmark/offline/peer_cuda.py).
+transformers' continuous batching (benchmark/offline/peer_cuda.py). `--kv-cache-dtype fp8_e4m3` runs
+minisgl with an FP8 KV cache (docs/benchmarks.md, "FP8 KV cache").
 
 `--scenarios 1,16,64,prefill500` runs fixed scenarios instead of the workload and prints one table:
 N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once) and
@@ -23,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 @dataclass
@@ -67,6 +70,7 @@ def run_minisgl(args: argparse.Namespace, work: Workload, trace: str | None = No
         device=args.device,
         max_running_req=args.max_running_req,
         tp_size=args.tp_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
@@ -85,9 +89,11 @@ def run_minisgl(args: argparse.Namespace, work: Workload, trace: str | None = No
     )
     model_dir = llm.engine.model_dir
     dtype = str(llm.engine.config.dtype).removeprefix("torch.")
+    kv = str(llm.engine.kv_dtype).removeprefix("torch.")
     llm.shutdown()
     tp = f", tp={args.tp_size}" if args.tp_size > 1 else ""
-    name = f"minisgl ({dtype}{tp}{', traced' if trace else ''})"
+    kv = f", kv {kv}" if kv != dtype else ""
+    name = f"minisgl ({dtype}{kv}{tp}{', traced' if trace else ''})"
     return Result(name, elapsed, produced), model_dir
 
 
@@ -162,6 +168,7 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
             path or args.model,
             dtype=args.dtype,
             quantization=quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_running_req=max(streams, 4),
             cache_type="naive",
@@ -287,6 +294,12 @@ def main() -> None:
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="minisgl's KV cache: auto (the model's dtype), bf16, or fp8_e4m3 (half the bytes a token)",
+    )
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) for minisgl")
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")

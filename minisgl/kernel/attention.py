@@ -4,7 +4,8 @@ The pool is indexed by token slot: page_table[row, pos] holds the slot of positi
 in that row, so both kernels gather K/V rows through the page table and work for any page size.
 Decode reads each K/V row once for all the query heads that share it (GQA), and splits long
 contexts along the sequence so that small batches still fill the GPU; a second kernel merges the
-splits by their log-sum-exp.
+splits by their log-sum-exp. Both kernels read an FP8 pool directly: its tiles are widened to the
+query's dtype in registers and the layer's scales multiply the scores and the outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
+from minisgl.kvcache.mha_pool import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
 
@@ -51,6 +53,8 @@ def _decode_kernel(
     PageTable,
     Rows,
     SeqLens,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -70,6 +74,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -91,6 +96,12 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    v_scale = 1.0
+    if FP8:
+        # an FP8 pool holds K / k_scale and V / v_scale: the scales multiply the scores and the output,
+        # so the tiles are only widened to q's dtype in registers and never scaled element by element
+        qk_scale = qk_scale * tl.load(KScale)
+        v_scale = tl.load(VScale)
     for n in range(start, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -98,6 +109,9 @@ def _decode_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -110,13 +124,13 @@ def _decode_kernel(
     omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
         # an empty split (a short context) leaves weight 0 for the merge: lse = -inf, output 0
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        out = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
         lse = m_i + tl.log2(l_i)
         base = (b * NUM_QO_HEADS + heads) * num_splits + s
         tl.store(MidO + base[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         tl.store(MidLse + base, lse, mask=hmask)
     else:
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         tl.store(
             Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
@@ -151,6 +165,14 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
+def _check_fp8(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the pool is FP8; such a pool cannot be read without its scales."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
+    return fp8
+
+
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
     want = triton.cdiv(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
@@ -166,8 +188,15 @@ def decode_attention(
     seq_lens: torch.Tensor,
     num_splits: int,
     sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D]."""
+    """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D].
+
+    An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
+    tensors; q then stays in its own dtype.
+    """
+    fp8 = _check_fp8(k_cache, k_scale, v_scale)
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -190,6 +219,8 @@ def decode_attention(
         page_table,
         rows,
         seq_lens,
+        k_scale if fp8 else seq_lens,
+        v_scale if fp8 else seq_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -209,6 +240,7 @@ def decode_attention(
         BLOCK_D=block_d,
         SPLIT=split,
         PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -240,6 +272,8 @@ def _extend_kernel(
     SeqLens,
     QStarts,
     QLens,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -256,6 +290,7 @@ def _extend_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -279,6 +314,11 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    v_scale = 1.0
+    if FP8:
+        # as in decode: the scales multiply the scores and the output, the tiles are only widened
+        qk_scale = qk_scale * tl.load(KScale)
+        v_scale = tl.load(VScale)
 
     # keys before the block's first query are visible to all of its queries: no mask there
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
@@ -290,6 +330,9 @@ def _extend_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if n + BLOCK_N > full_end:
             causal = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
@@ -301,7 +344,7 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     o_ptr = Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
@@ -317,11 +360,15 @@ def extend_attention(
     q_lens: torch.Tensor,
     max_q_len: int,
     sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their request's whole context (cached prefix + this step).
 
     q: [T, Hq, D] packed by request; this step's K/V must already be in the pool. -> [T, Hq, D]
+    An FP8 pool is read as in decode_attention.
     """
+    fp8 = _check_fp8(k_cache, k_scale, v_scale)
     t, hq, d = q.shape
     hk = k_cache.shape[1]
     bs = rows.shape[0]
@@ -341,6 +388,8 @@ def extend_attention(
         seq_lens,
         q_starts,
         q_lens,
+        k_scale if fp8 else q_lens,
+        v_scale if fp8 else q_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -357,6 +406,7 @@ def extend_attention(
         D=d,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
         num_warps=8 if block_m == 128 else 4,
         num_stages=2,
     )
