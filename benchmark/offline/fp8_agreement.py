@@ -46,7 +46,11 @@ class Agreement:
 
 
 def greedy_run(
-    model: str, kv_cache_dtype: str, prompts: list[list[int]], steps: int, **llm_args: Any
+    model: str | None,
+    kv_cache_dtype: str | torch.dtype,
+    prompts: list[list[int]],
+    steps: int,
+    **llm_args: Any,
 ) -> GreedyRun:
     """Greedy tokens and the logits they were picked from, for each prompt, with the given KV cache."""
     from minisgl import LLM, SamplingParams
