@@ -52,7 +52,8 @@ def greedy_run(
     steps: int,
     **llm_args: Any,
 ) -> GreedyRun:
-    """Greedy tokens and the logits they were picked from, for each prompt, with the given KV cache."""
+    """Greedy tokens and the logits they were picked from, for each prompt (text or token ids), with the
+    given KV cache."""
     from minisgl import LLM, SamplingParams
     from minisgl.core import ChunkedReq
 
