@@ -229,3 +229,27 @@ def test_fp8_greedy_agreement_on_the_default_model_is_above_its_floor() -> None:
         f"mean {result.mean_logit_diff:.3f} (logits std {result.logit_std:.2f})"
     )
     assert result.token_rate >= 0.4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_triton_kernels_and_graphs_read_fp8_as_the_torch_backend_does(
+    tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Triton store, extend and decode (with and without CUDA graphs) against the torch backend's
+    dequantizing reads of the same FP8 pool, a float32 model with TF32 off: the same tokens, and logits
+    equal to float32 rounding."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    folder = _with_kv_scales(tiny_model("qwen3"), str(tmp_path / "scaled"), [0.5, 2.0], [0.25, 1.5])
+    prompts = random_prompts(6, seed=4)
+    args: dict[str, Any] = dict(dtype=torch.float32, device="cuda", max_running_req=8)
+    torch_run = greedy_run(
+        folder, "fp8", prompts, STEPS, attention_backend="torch", cuda_graph_max_bs=0, **args
+    )
+    for graphs in (0, 8):
+        run = greedy_run(
+            folder, "fp8", prompts, STEPS, attention_backend="triton", cuda_graph_max_bs=graphs, **args
+        )
+        assert run.tokens == torch_run.tokens
+        for got, want in zip(run.logits, torch_run.logits):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
