@@ -96,12 +96,14 @@ class MHAKVCache:
         self, layer_id: int, index: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V rows at the token slots `index`, in `dtype`; an FP8 pool's rows dequantized."""
-        k = self.k_buffer[layer_id].index_select(0, index)
-        v = self.v_buffer[layer_id].index_select(0, index)
-        if self.is_fp8:
-            k_scale, v_scale = self.scales(layer_id)
-            k, v = k.float() * k_scale, v.float() * v_scale
-        return k.to(dtype), v.to(dtype)
+        k_buf, v_buf = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if not self.is_fp8:
+            return k_buf.index_select(0, index).to(dtype), v_buf.index_select(0, index).to(dtype)
+        # gathered as bytes, as they are stored: not every device has float8 gather kernels
+        k = k_buf.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)
+        v = v_buf.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)
+        k_scale, v_scale = self.scales(layer_id)
+        return (k.float() * k_scale).to(dtype), (v.float() * v_scale).to(dtype)
 
     def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype attention computes in: the pool's, or the model's for an FP8 pool (read and dequantized)."""
