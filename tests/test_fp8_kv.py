@@ -8,7 +8,7 @@ Tolerance. e4m3 keeps 3 mantissa bits, so its rounding error is 2^5 = 32 times b
 random models (measured 2026-11-30, 8 prompts x 64 greedy steps, at the steps whose context is the
 same in both runs) a float32 model's logits move, against the float32 cache:
   bf16 cache: max 0.05-0.12, mean per-step max 0.02-0.04;
-  fp8 cache:  max 0.66-1.30, mean per-step max 0.31-0.53 (11-17x bf16's), with logits' std 1.6.
+  fp8 cache:  max 0.66-1.30, mean per-step max 0.31-0.53 (14-17x bf16's), with logits' std 1.6.
 These random models amplify any rounding (the bf16 cache alone changes 11-48% of their greedy
 tokens), so the tolerance is stated against the logits' spread and the bf16 cache's drift: every
 step's max |difference| within 1.0 std, the mean within 0.4 std, and fp8's mean drift within 32x
