@@ -151,13 +151,17 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--attention-backend", default="auto", help="auto, cpu, torch or triton")
     args = p.parse_args()
+    if args.shape is None:
+        measure(args, args.model)
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from random_checkpoint import build
 
-    model = args.model
-    if args.shape is not None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from random_checkpoint import build
+    with tempfile.TemporaryDirectory(prefix=f"{args.shape}-") as folder:
+        measure(args, build(args.shape, folder, layers=args.layers))
 
-        model = build(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"), layers=args.layers)
+
+def measure(args: argparse.Namespace, model: str | None) -> None:
     from minisgl.models.config import ModelConfig
     from minisgl.utils.hf import load_hf_config, resolve_model_path
 
