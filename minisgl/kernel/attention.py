@@ -96,12 +96,10 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    v_scale = 1.0
     if FP8:
         # an FP8 pool holds K / k_scale and V / v_scale: the scales multiply the scores and the output,
         # so the tiles are only widened to q's dtype in registers and never scaled element by element
         qk_scale = qk_scale * tl.load(KScale)
-        v_scale = tl.load(VScale)
     for n in range(start, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -124,13 +122,17 @@ def _decode_kernel(
     omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
         # an empty split (a short context) leaves weight 0 for the merge: lse = -inf, output 0
-        out = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if FP8:
+            out = out * tl.load(VScale)
         lse = m_i + tl.log2(l_i)
         base = (b * NUM_QO_HEADS + heads) * num_splits + s
         tl.store(MidO + base[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         tl.store(MidLse + base, lse, mask=hmask)
     else:
-        out = acc * (v_scale / l_i)[:, None]
+        out = acc / l_i[:, None]
+        if FP8:
+            out = out * tl.load(VScale)
         tl.store(
             Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
@@ -314,11 +316,9 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    v_scale = 1.0
     if FP8:
         # as in decode: the scales multiply the scores and the output, the tiles are only widened
         qk_scale = qk_scale * tl.load(KScale)
-        v_scale = tl.load(VScale)
 
     # keys before the block's first query are visible to all of its queries: no mask there
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
@@ -344,7 +344,9 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    out = acc * (v_scale / l_i)[:, None]
+    out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(VScale)
     o_ptr = Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
