@@ -253,6 +253,37 @@ def test_extend_attention_reads_fp8_with_its_scales() -> None:
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
+def test_fp8_attention_with_half_queries_runs_in_fp16_within_its_error() -> None:
+    """A half-precision query meets the FP8 tiles in fp16 (e4m3 values are exact there): the error is
+    fp16's rounding of the probabilities, far below the FP8 rounding the pool already holds."""
+    lens, q_lens, hq, hk, d = [40, 9], [40, 1], 4, 2, 16
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=17)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k, v, 0.5, 2.0)
+    q = torch.randn(sum(q_lens), hq, d).half().to(DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    rows, seq = torch.arange(2, **i32), torch.tensor(lens, **i32)
+    out = extend_attention(
+        q,
+        k8,
+        v8,
+        table,
+        rows,
+        seq,
+        torch.tensor([0, 40], **i32),
+        torch.tensor(q_lens, **i32),
+        40,
+        d**-0.5,
+        ks,
+        vs,
+    )
+    ref = reference_attention(q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, q_lens)
+    assert out.dtype == torch.float16 and rel_err(out.cpu(), ref) < 2e-3
+    decode_q = q[[39, 40]]
+    out = decode_attention(decode_q, k8, v8, table, rows, seq, 2, d**-0.5, ks, vs)
+    ref = reference_attention(decode_q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1, 1])
+    assert rel_err(out.cpu(), ref) < 2e-3
+
+
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core tiles need a GPU")
 def test_fp8_attention_with_bf16_queries_within_bf16_error() -> None:
     lens, hq, hk, d = [300, 1000, 17], 16, 8, 128

@@ -4,8 +4,9 @@ The pool is indexed by token slot: page_table[row, pos] holds the slot of positi
 in that row, so both kernels gather K/V rows through the page table and work for any page size.
 Decode reads each K/V row once for all the query heads that share it (GQA), and splits long
 contexts along the sequence so that small batches still fill the GPU; a second kernel merges the
-splits by their log-sum-exp. Both kernels read an FP8 pool directly: its tiles are widened to the
-query's dtype in registers and the layer's scales multiply the scores and the outputs.
+splits by their log-sum-exp. Both kernels read an FP8 pool directly: its tiles are widened in
+registers (to fp16, or float32 for a float32 query) and the layer's scales multiply the scores and the
+outputs.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -93,6 +95,10 @@ def _decode_kernel(
     dmask = d < D
     q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if HALF:
+        # e4m3 widens to fp16 exactly, one instruction a pair (to bf16 it takes several): a bf16 query
+        # joins it in fp16, whose range it fits once clamped and whose mantissa holds it whole
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -196,7 +202,8 @@ def decode_attention(
     """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D].
 
     An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
-    tensors; q then stays in its own dtype.
+    tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
+    for a float32 one).
     """
     fp8 = _check_fp8(k_cache, k_scale, v_scale)
     bs, hq, d = q.shape
@@ -243,6 +250,7 @@ def decode_attention(
         SPLIT=split,
         PRECISION=dot_precision(q.dtype),
         FP8=fp8,
+        HALF=fp8 and q.dtype != torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -293,6 +301,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -312,6 +321,10 @@ def _extend_kernel(
     dmask = d < D
     q_ptr = Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if HALF:
+        # e4m3 widens to fp16 exactly, one instruction a pair (to bf16 it takes several): a bf16 query
+        # joins it in fp16, whose range it fits once clamped and whose mantissa holds it whole
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = prefix + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -409,6 +422,7 @@ def extend_attention(
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
         FP8=fp8,
+        HALF=fp8 and q.dtype != torch.float32,
         num_warps=8 if block_m == 128 else 4,
         num_stages=2,
     )
