@@ -26,6 +26,7 @@ from minisgl.kernel.norm import rms_norm, rms_norm_residual  # noqa: E402
 from minisgl.kernel.rotary import apply_rotary  # noqa: E402
 from minisgl.kernel.sampling import filter_thresholds, sample_tokens  # noqa: E402
 from minisgl.kernel.store import store_kv  # noqa: E402
+from minisgl.kvcache.mha_pool import quantize_fp8  # noqa: E402
 from minisgl.layers import activation as torch_activation  # noqa: E402
 from minisgl.layers import norm as torch_norm  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -171,6 +172,132 @@ def test_store_kv_writes_every_slot() -> None:
     store_kv(k, v, k_cache, v_cache, loc)
     assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
     assert torch.isnan(k_cache[[1, 2, 3, 5, 6, 8, 9]]).all()
+
+
+def fp8_pool(
+    k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An FP8 pool holding k and v at the given scales, its scales as kernels take them, and the float32
+    values it stands for (stored * scale): the reference attends over the same FP8 data."""
+    k8, v8 = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    ks = torch.tensor([k_scale], device=k.device)
+    vs = torch.tensor([v_scale], device=k.device)
+    return k8, v8, ks, vs, k8.float() * k_scale, v8.float() * v_scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.01])  # 0.01 clamps the largest values at ±4.48
+def test_store_kv_fp8_writes_the_bytes_of_the_torch_quantization(scale: float) -> None:
+    # magnitudes from 1e-4 (e4m3 subnormals) to 1e3 (clamped to ±448 at scale 1), and values that round
+    # up into the next binade (1.99 -> 2.0)
+    g = torch.Generator().manual_seed(5)
+    mags = torch.logspace(-4, 3, 12)[:, None, None]
+    kv = (torch.randn(12, 2, 2 * 16, generator=g) * mags).to(DEVICE)
+    kv[0, 0, :4] = torch.tensor([1.99, -1.99, 0.0155, -1e-6])
+    k, v = kv[..., :16], kv[..., 16:]
+    k_cache = torch.zeros((20, 2, 16), dtype=torch.float8_e4m3fn, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.randperm(20, generator=g)[:12].to(DEVICE)
+    k_scale = torch.tensor([scale], device=DEVICE)
+    v_scale = torch.tensor([2 * scale], device=DEVICE)
+    store_kv(k, v, k_cache, v_cache, loc, k_scale, v_scale)
+    want_k, want_v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    assert torch.equal(k_cache[loc].view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache[loc].view(torch.uint8), want_v.view(torch.uint8))
+    # bf16 inputs, as the model gives them on a GPU
+    store_kv(k.bfloat16(), v.bfloat16(), k_cache, v_cache, loc, k_scale, v_scale)
+    assert torch.equal(k_cache[loc].view(torch.uint8), quantize_fp8(k.bfloat16(), k_scale).view(torch.uint8))
+
+
+def test_store_kv_fp8_without_scales_is_refused() -> None:
+    cache = torch.zeros((4, 1, 16), dtype=torch.float8_e4m3fn, device=DEVICE)
+    k = torch.randn(1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        store_kv(k, k, cache, cache.clone(), torch.tensor([0], device=DEVICE))
+
+
+@pytest.mark.parametrize("page_size,num_splits", [(1, 1), (4, 3)])
+def test_decode_attention_reads_fp8_with_its_scales(page_size: int, num_splits: int) -> None:
+    lens, hq, hk, d = [1, 7, 70, 33], 4, 2, 16
+    k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=11 + page_size)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+    q = torch.randn(len(lens), hq, d).to(DEVICE)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k8, v8, table, rows, seq, num_splits, d**-0.5, ks, vs)
+    ref = reference_attention(q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
+    assert out.dtype == q.dtype
+    assert rel_err(out.cpu(), ref) < 1e-5
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        decode_attention(q, k8, v8, table, rows, seq, num_splits, d**-0.5)
+
+
+def test_extend_attention_reads_fp8_with_its_scales() -> None:
+    lens, q_lens, hq, hk, d = [40, 90, 20], [40, 23, 1], 4, 1, 16
+    k, v, table = paged_pool(lens, hk, d, 4, torch.float32, seed=13)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k, v * 5, 2.0, 0.125)
+    q = torch.randn(sum(q_lens), hq, d).to(DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out = extend_attention(
+        q,
+        k8,
+        v8,
+        table,
+        torch.arange(3, **i32),
+        torch.tensor(lens, **i32),
+        torch.tensor([0, 40, 63], **i32),
+        torch.tensor(q_lens, **i32),
+        max(q_lens),
+        d**-0.5,
+        ks,
+        vs,
+    )
+    ref = reference_attention(q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, q_lens)
+    assert rel_err(out.cpu(), ref) < 1e-5
+
+
+def test_fp8_attention_with_half_queries_runs_in_fp16_within_its_error() -> None:
+    """A half-precision query meets the FP8 tiles in fp16 (e4m3 values are exact there): the error is
+    fp16's rounding of the probabilities, far below the FP8 rounding the pool already holds."""
+    lens, q_lens, hq, hk, d = [40, 9], [40, 1], 4, 2, 16
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=17)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k, v, 0.5, 2.0)
+    q = torch.randn(sum(q_lens), hq, d).half().to(DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    rows, seq = torch.arange(2, **i32), torch.tensor(lens, **i32)
+    out = extend_attention(
+        q,
+        k8,
+        v8,
+        table,
+        rows,
+        seq,
+        torch.tensor([0, 40], **i32),
+        torch.tensor(q_lens, **i32),
+        40,
+        d**-0.5,
+        ks,
+        vs,
+    )
+    ref = reference_attention(q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, q_lens)
+    assert out.dtype == torch.float16 and rel_err(out.cpu(), ref) < 2e-3
+    decode_q = q[[39, 40]]
+    out = decode_attention(decode_q, k8, v8, table, rows, seq, 2, d**-0.5, ks, vs)
+    ref = reference_attention(decode_q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1, 1])
+    assert rel_err(out.cpu(), ref) < 2e-3
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core tiles need a GPU")
+def test_fp8_attention_with_bf16_queries_within_bf16_error() -> None:
+    lens, hq, hk, d = [300, 1000, 17], 16, 8, 128
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=4)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k, v, 0.5, 0.5)
+    q = torch.randn(len(lens), hq, d, device=DEVICE).bfloat16()
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference_attention(q.cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
+    for splits in (1, 4):
+        out = decode_attention(q, k8, v8, table, rows, seq, splits, d**-0.5, ks, vs)
+        assert rel_err(out.cpu(), ref) < 1e-2
 
 
 @pytest.mark.parametrize("vocab", [1000, 20000])  # one chunk a row, and several

@@ -9,6 +9,7 @@ transformers' continuous batching (benchmark/offline/peer_cuda.py). `--top-k`, `
 add filters to the sampling (both sides). `--repeat N` runs the workload N times in one process: the
 first run, right after `LLM()` with nothing before it, shows what a fresh process pays (compilation the
 start-up warm-up missed); the median of the others is the warm figure compared with the peer.
+`--kv-cache-dtype fp8_e4m3` runs minisgl with an FP8 KV cache (docs/benchmarks.md, "FP8 KV cache").
 
 `--scenarios 1,16,64,prefill500` runs fixed scenarios instead of the workload and prints one table:
 N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once) and
@@ -26,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 @dataclass
@@ -77,6 +80,7 @@ def run_minisgl(
         device=args.device,
         max_running_req=args.max_running_req,
         tp_size=args.tp_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
@@ -105,9 +109,11 @@ def run_minisgl(
         )
     model_dir = llm.engine.model_dir
     dtype = str(llm.engine.config.dtype).removeprefix("torch.")
+    kv = str(llm.engine.kv_dtype).removeprefix("torch.")
     llm.shutdown()
     tp = f", tp={args.tp_size}" if args.tp_size > 1 else ""
-    name = f"minisgl ({dtype}{tp}{', traced' if trace else ''})"
+    kv = f", kv {kv}" if kv != dtype else ""
+    name = f"minisgl ({dtype}{kv}{tp}{', traced' if trace else ''})"
     results = [Result(f"{name}, first run", seconds[0], work.output_tokens)]
     if len(seconds) > 1:
         later = f"runs 2-{len(seconds)} median" if len(seconds) > 2 else "run 2"
@@ -189,6 +195,7 @@ def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
             path or args.model,
             dtype=args.dtype,
             quantization=quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_running_req=max(streams, 4),
             cache_type="naive",
@@ -317,6 +324,12 @@ def main() -> None:
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="minisgl's KV cache: auto (the model's dtype), bf16, or fp8_e4m3 (half the bytes a token)",
+    )
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) for minisgl")
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")

@@ -3,6 +3,8 @@
 A decode step's query of each request attends over its context through the page table, as the
 Triton kernel does on a GPU: nothing is gathered or padded, so the cost is one read of the context.
 Prefill (and extend over a cached prefix) is the torch backend's, which stays the reference.
+The kernel reads float32, bf16 and FP8 pools; an FP8 pool's values are decoded in the loops and its
+per-layer scales applied to the scores and the output.
 """
 
 from __future__ import annotations
@@ -45,8 +47,7 @@ class CpuAttnBackend(TorchAttnBackend):
         if not batch.is_decode:
             return super().forward(q, k, v, layer_id, batch)
         meta: CpuDecodeMetadata = batch.attn_metadata
-        kv_dtype = self.kv_cache.k_buffer.dtype
-        self.kv_cache.store_kv(k.to(kv_dtype), v.to(kv_dtype), batch.out_loc, layer_id)
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         out = decode_attention(
             self.lib,
             q,
@@ -56,5 +57,7 @@ class CpuAttnBackend(TorchAttnBackend):
             meta.rows,
             meta.seq_lens,
             self.scale,
+            self.kv_cache.k_scales[layer_id],
+            self.kv_cache.v_scales[layer_id],
         )
         return out.to(q.dtype)

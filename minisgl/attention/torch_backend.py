@@ -68,13 +68,13 @@ class TorchAttnBackend(BaseAttnBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         meta: TorchAttnMetadata = batch.attn_metadata
-        out_dtype, kv_dtype = q.dtype, self.kv_cache.k_buffer.dtype
-        q, k, v = q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype)
+        out_dtype = q.dtype
+        q = q.to(self.kv_cache.attention_dtype(q.dtype))
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         bs, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
         num_q, num_kv, d = q.shape[1], k.shape[1], q.shape[2]
-        k_all = self.kv_cache.k_cache(layer_id).index_select(0, meta.kv_index)
-        v_all = self.kv_cache.v_cache(layer_id).index_select(0, meta.kv_index)
+        # an FP8 pool's rows come back dequantized: SDPA takes no FP8 operands
+        k_all, v_all = self.kv_cache.read_kv(layer_id, meta.kv_index, q.dtype)
         k_all = k_all.view(bs, max_kv, num_kv, d).transpose(1, 2)
         v_all = v_all.view(bs, max_kv, num_kv, d).transpose(1, 2)
         q_pad = q.index_select(0, meta.q_index).view(bs, max_q, num_q, d).transpose(1, 2)

@@ -74,12 +74,24 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor:
         meta: TritonAttnMetadata = batch.attn_metadata
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        store_kv(k, v, k_cache, v_cache, batch.out_loc)  # the store casts to the pool's dtype
+        # device views of the layer's scales, so a captured graph reads them, not a copy of their values
+        k_scale, v_scale = self.kv_cache.scales(layer_id)
+        # the store casts (and for FP8 scales) to the pool's dtype
+        store_kv(k, v, k_cache, v_cache, batch.out_loc, k_scale, v_scale)
         out_dtype = q.dtype
-        q = q.to(k_cache.dtype)
+        q = q.to(self.kv_cache.attention_dtype(q.dtype))
         if batch.is_decode:
             out = decode_attention(
-                q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale
+                q,
+                k_cache,
+                v_cache,
+                self.page_table,
+                meta.rows,
+                meta.seq_lens,
+                meta.num_splits,
+                self.scale,
+                k_scale,
+                v_scale,
             )
             return out.to(out_dtype)
         assert meta.q_starts is not None and meta.q_lens is not None
@@ -94,6 +106,8 @@ class TritonAttnBackend(BaseAttnBackend):
             meta.q_lens,
             meta.max_q_len,
             self.scale,
+            k_scale,
+            v_scale,
         )
         return out.to(out_dtype)
 

@@ -16,8 +16,9 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: bf16 on CUDA; on a CPU the faster of bf16 and float32 (timed)
     # weight-only quantization (CPU): None/"auto", "none", "int8" or "gguf"; see minisgl/models/quantize.py
     quantization: str | None = None
-    # None: the model dtype on CUDA; float32 on a CPU, where half-precision attention kernels are several times slower
-    kv_cache_dtype: torch.dtype | None = None
+    # the KV pool's dtype: "auto"/None (the model's), "bf16"/"bfloat16", "fp8"/"fp8_e4m3" (minisgl/utils/kv_cache_dtype.py),
+    # or a torch dtype; validate() turns a name into the torch dtype
+    kv_cache_dtype: str | torch.dtype | None = None
     device: str | None = None  # "cpu" or "cuda"; None picks CUDA where there is one
     max_running_req: int = 256
     num_page_override: int | None = None
@@ -32,9 +33,11 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over, evenly
 
     def validate(self) -> None:
+        from minisgl.utils.kv_cache_dtype import resolve_kv_cache_dtype
         from minisgl.utils.quantization import check_quantization
 
         self.quantization = check_quantization(self.quantization)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
         if self.page_size < 1:
             raise ValueError(f"page_size={self.page_size} is invalid: it must be >= 1")
         if self.max_running_req < 1:

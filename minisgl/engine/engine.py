@@ -31,7 +31,8 @@ from minisgl.engine.sample import (
 )
 from minisgl.engine.warmup import warm_up
 from minisgl.env import ENV
-from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.kvcache.kv_scales import KVScales
+from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.models import ModelConfig, create_model
 from minisgl.models.weight import iter_safetensors, load_weights
 from minisgl.utils.hf import find_model, load_hf_config, resolve_model_path
@@ -71,6 +72,7 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.max_seq_len = self._max_seq_len()
         self.model_config.max_position_embeddings = self.max_seq_len  # the rotary table needs no more
+        self.kv_scales = KVScales(self.model_config.num_layers)
         self.model = self._build_model()
         if self.device.type == "cuda":
             # from here the host's work per step is tensors of a few hundred elements, where intra-op
@@ -80,8 +82,11 @@ class Engine:
 
         mc = self.model_config
         self.page_size = config.page_size
-        # the model's dtype, as transformers keeps it: a bf16 pool halves the bytes each decode step reads
+        # auto: the model's dtype, as transformers keeps it; fp8 halves a bf16 pool's bytes again
         self.kv_dtype = config.kv_cache_dtype or config.dtype
+        fp8 = self.kv_dtype == FP8_DTYPE
+        if self.kv_scales.found and not fp8:
+            logger.info_rank0(f"the checkpoint's KV scales are not used: the KV cache is {self.kv_dtype}")
         self.num_pages = self._num_pages()
         graph_bs = config.cuda_graph_max_bs
         if graph_bs is None:
@@ -96,6 +101,8 @@ class Engine:
             mc.head_dim,
             self.kv_dtype,
             self.device,
+            k_scales=self.kv_scales.k if fp8 else None,
+            v_scales=self.kv_scales.v if fp8 else None,
         )
         # one row per running request, plus a last row for the dummy requests that pad CUDA-graph batches
         # rows hold whole pages, so the width is rounded up to a page
@@ -132,7 +139,7 @@ class Engine:
         self.graph_runner.capture(self.stream)
         logger.info_rank0(
             f"engine ready: {mc.architecture} on {self.device}, {config.dtype}, "
-            f"{self.num_pages} KV pages of {self.page_size}, max_seq_len {self.max_seq_len}"
+            f"{self.num_pages} KV pages of {self.page_size} ({self.kv_dtype}), max_seq_len {self.max_seq_len}"
         )
 
     def _init_distributed(self) -> object | None:
@@ -174,7 +181,8 @@ class Engine:
                 model = create_model(self.model_config)
         finally:
             torch.set_default_dtype(old)
-        load_weights(model, iter_safetensors(self.model_dir))
+        # an FP8 KV cache's scales travel with the weights: they are kept aside for the pool
+        load_weights(model, self.kv_scales.take(iter_safetensors(self.model_dir)))
         self._quantize(model)
         return model.eval()
 

@@ -4,7 +4,9 @@ The pool is indexed by token slot: page_table[row, pos] holds the slot of positi
 in that row, so both kernels gather K/V rows through the page table and work for any page size.
 Decode reads each K/V row once for all the query heads that share it (GQA), and splits long
 contexts along the sequence so that small batches still fill the GPU; a second kernel merges the
-splits by their log-sum-exp.
+splits by their log-sum-exp. Both kernels read an FP8 pool directly: its tiles are widened in
+registers (to fp16, or float32 for a float32 query) and the layer's scales multiply the scores and the
+outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
+from minisgl.kvcache.mha_pool import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
 
@@ -51,6 +54,8 @@ def _decode_kernel(
     PageTable,
     Rows,
     SeqLens,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -70,6 +75,8 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -88,9 +95,17 @@ def _decode_kernel(
     dmask = d < D
     q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if HALF:
+        # e4m3 widens to fp16 exactly, one instruction a pair (to bf16 it takes several): a bf16 query
+        # joins it in fp16, whose range it fits once clamped and whose mantissa holds it whole
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if FP8:
+        # an FP8 pool holds K / k_scale and V / v_scale: the scales multiply the scores and the output,
+        # so the tiles are only widened to q's dtype in registers and never scaled element by element
+        qk_scale = qk_scale * tl.load(KScale)
     for n in range(start, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -98,6 +113,9 @@ def _decode_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -111,12 +129,16 @@ def _decode_kernel(
     if SPLIT:
         # an empty split (a short context) leaves weight 0 for the merge: lse = -inf, output 0
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if FP8:
+            out = out * tl.load(VScale)
         lse = m_i + tl.log2(l_i)
         base = (b * NUM_QO_HEADS + heads) * num_splits + s
         tl.store(MidO + base[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         tl.store(MidLse + base, lse, mask=hmask)
     else:
         out = acc / l_i[:, None]
+        if FP8:
+            out = out * tl.load(VScale)
         tl.store(
             Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
@@ -151,6 +173,14 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
+def _check_fp8(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the pool is FP8; such a pool cannot be read without its scales."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
+    return fp8
+
+
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
     want = triton.cdiv(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
@@ -166,8 +196,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     num_splits: int,
     sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D]."""
+    """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D].
+
+    An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
+    tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
+    for a float32 one).
+    """
+    fp8 = _check_fp8(k_cache, k_scale, v_scale)
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -190,6 +228,8 @@ def decode_attention(
         page_table,
         rows,
         seq_lens,
+        k_scale if fp8 else seq_lens,
+        v_scale if fp8 else seq_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -209,6 +249,8 @@ def decode_attention(
         BLOCK_D=block_d,
         SPLIT=split,
         PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
+        HALF=fp8 and q.dtype != torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -240,6 +282,8 @@ def _extend_kernel(
     SeqLens,
     QStarts,
     QLens,
+    KScale,
+    VScale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -256,6 +300,8 @@ def _extend_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -275,10 +321,17 @@ def _extend_kernel(
     dmask = d < D
     q_ptr = Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if HALF:
+        # e4m3 widens to fp16 exactly, one instruction a pair (to bf16 it takes several): a bf16 query
+        # joins it in fp16, whose range it fits once clamped and whose mantissa holds it whole
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = prefix + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if FP8:
+        # as in decode: the scales multiply the scores and the output, the tiles are only widened
+        qk_scale = qk_scale * tl.load(KScale)
 
     # keys before the block's first query are visible to all of its queries: no mask there
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
@@ -290,6 +343,9 @@ def _extend_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if n + BLOCK_N > full_end:
             causal = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
@@ -302,6 +358,8 @@ def _extend_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(VScale)
     o_ptr = Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
@@ -317,11 +375,15 @@ def extend_attention(
     q_lens: torch.Tensor,
     max_q_len: int,
     sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their request's whole context (cached prefix + this step).
 
     q: [T, Hq, D] packed by request; this step's K/V must already be in the pool. -> [T, Hq, D]
+    An FP8 pool is read as in decode_attention.
     """
+    fp8 = _check_fp8(k_cache, k_scale, v_scale)
     t, hq, d = q.shape
     hk = k_cache.shape[1]
     bs = rows.shape[0]
@@ -341,6 +403,8 @@ def extend_attention(
         seq_lens,
         q_starts,
         q_lens,
+        k_scale if fp8 else q_lens,
+        v_scale if fp8 else q_lens,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -357,6 +421,8 @@ def extend_attention(
         D=d,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
+        HALF=fp8 and q.dtype != torch.float32,
         num_warps=8 if block_m == 128 else 4,
         num_stages=2,
     )

@@ -1,10 +1,33 @@
-"""Writing a step's K and V into the paged pool in one launch (torch's index_copy_ takes two)."""
+"""Writing a step's K and V into the paged pool in one launch (torch's index_copy_ takes two).
+
+An FP8 pool (float8_e4m3fn) stores clamp(x / scale, ±448) with the layer's K or V scale, as
+`quantize_fp8` in minisgl/kvcache/mha_pool.py does on the torch path.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from minisgl.kvcache.mha_pool import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32 within ±448) rounded to the nearest e4m3 value, ties to even: the cast after it is exact.
+
+    The cast alone rounds so on a GPU, but Triton's CPU interpreter (where the tests run) does not where
+    the rounding carries into the exponent (1.99 -> 1.0); rounding here makes both store the same bytes.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    # normal e4m3 keeps 3 of float32's 23 mantissa bits: round the 20 dropped ones to nearest even
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal, in steps of 2^-9; adding and taking away 1.5 * 2^23 rounds to an
+    # integer, ties to even (on the magnitude, so that a negative value keeps its sign when it rounds to 0)
+    a = tl.abs(x)
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(a < 0.015625, tl.where(x < 0, -sub, sub), normal)
 
 
 @triton.jit
@@ -14,6 +37,8 @@ def _store_kv_kernel(
     KCache,
     VCache,
     Loc,
+    KScale,
+    VScale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -24,6 +49,8 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
@@ -32,25 +59,43 @@ def _store_kv_kernel(
     mask = (heads < H) & (d < D)
     k = tl.load(K + t * stride_kt + heads * stride_kh + d, mask=mask)
     v = tl.load(V + t * stride_vt + heads * stride_vh + d, mask=mask)
+    if FP8:
+        # a multiply by the reciprocal could round differently from the torch path's division
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / tl.load(KScale), -FP8_LIMIT, FP8_LIMIT))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / tl.load(VScale), -FP8_LIMIT, FP8_LIMIT))
     dst = slot * stride_ct + heads * stride_ch + d
-    tl.store(KCache + dst, k, mask=mask)
-    tl.store(VCache + dst, v, mask=mask)
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, H, D] (strided views are fine); k_cache, v_cache: [slots, H, D]; loc: [T] token slots."""
+    """k, v: [T, H, D] (strided views are fine); k_cache, v_cache: [slots, H, D]; loc: [T] token slots.
+
+    k_scale, v_scale: one-element float32 tensors, needed by (and only read for) an FP8 pool.
+    """
     t, h, d = k.shape
     if t == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
     _store_kv_kernel[(t,)](
         k,
         v,
         k_cache,
         v_cache,
         loc,
+        k_scale if fp8 else loc,
+        v_scale if fp8 else loc,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -61,5 +106,7 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(h),
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
+        FP8=fp8,
+        FP8_LIMIT=FP8_MAX,
         num_warps=1 if h * d <= 512 else 4,
     )

@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from minisgl.params import SamplingParams
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, ArgumentParser, CommandError, debug_enabled
 from minisgl.utils.hf import find_model
+from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
 
 HEADER_CHARS = 72  # a prompt is shown by its start, on one line
@@ -115,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         "file's own 4-bit/8-bit packing), none (float weights); auto: a GGUF file's packing beside the "
         "float weights where it measures faster (default: %(default)s)",
     )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: bf16/bfloat16, or fp8/fp8_e4m3 (FP8 with a scale per layer, "
+        "read from the checkpoint's k_scale/v_scale or 1.0; half the memory of bf16, for GPUs); "
+        "auto: the model's dtype (default: %(default)s)",
+    )
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     engine.add_argument(
         "--max-running-req", type=int, default=256, help="requests decoded at once (default: %(default)s)"
@@ -160,6 +169,7 @@ def main(argv: list[str]) -> int:
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_running_req=args.max_running_req,
         cache_type=args.cache_type,

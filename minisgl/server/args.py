@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from minisgl.env import ENV
 from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser
+from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class ServerArgs:
     # the engine's options; None leaves the engine's default, which suits the device
     dtype: str | None = None
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
     max_running_req: int | None = None
     page_size: int | None = None
     cache_type: str | None = None
@@ -83,6 +85,7 @@ class ServerArgs:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "dtype": parse_dtype(self.dtype) if self.dtype is not None else None,
             "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
         if self.dist_init_addr is not None:
             options["distributed_addr"] = f"tcp://{self.dist_init_addr}"
@@ -172,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only quantization on the CPU: int8 (per channel, any checkpoint), gguf (a GGUF "
         "file's own 4-bit/8-bit packing), none (float weights) (default: auto: a GGUF file's packing "
         "beside the float weights where it measures faster)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: bf16/bfloat16, or fp8/fp8_e4m3 (FP8 with a scale per layer, "
+        "read from the checkpoint's k_scale/v_scale or 1.0; half the memory of bf16, for GPUs) "
+        "(default: auto: the model's dtype)",
     )
     engine.add_argument("--max-running-req", type=_positive, help="requests decoded at once (default: 256)")
     engine.add_argument("--page-size", type=_positive, help="tokens per KV page (default: 1)")

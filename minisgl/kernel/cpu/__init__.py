@@ -104,6 +104,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary_bf16.restype = None
 
 
+# the element types attention.c reads, by its kv_kind codes
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
 def decode_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,
@@ -113,10 +117,13 @@ def decode_attention(
     rows: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; k/v_cache: [slots, Hk, D] float32 or bf16; page_table: [R, W] int32 token slots;
-    rows, lens: [B] int64 -> [B, Hq, D] float32, each query over the first lens[b] slots of its row."""
-    assert k_cache.dtype in (torch.float32, torch.bfloat16) and page_table.dtype == torch.int32
+    """q: [B, Hq, D]; k/v_cache: [slots, Hk, D] float32, bf16 or float8_e4m3fn (read as stored * k_scale
+    or v_scale); page_table: [R, W] int32 token slots; rows, lens: [B] int64 -> [B, Hq, D] float32, each
+    query over the first lens[b] slots of its row."""
+    assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
     q = q.to(torch.float32).contiguous()
     rows, lens = rows.contiguous(), lens.contiguous()
@@ -126,7 +133,7 @@ def decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16),
+        _KV_KINDS[k_cache.dtype],
         page_table.data_ptr(),
         page_table.stride(0),
         rows.data_ptr(),
@@ -136,9 +143,12 @@ def decode_attention(
         num_q,
         k_cache.shape[1],
         d,
-        scale,
+        # K's scale is a factor of every score, V's of every output: both are applied outside the loops
+        scale * k_scale,
         torch.get_num_threads(),
     )
+    if v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 

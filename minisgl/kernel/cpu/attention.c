@@ -15,17 +15,40 @@ typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-// 16 values of a row (float32 or bf16) as floats
-static inline v16f load16(const void *base, int64_t i, int bf16) {
-    if (!bf16) return *(const v16f *)((const float *)base + i);
+// the element types of the pool: what `kv_kind` says
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2 };
+
+// every float8 e4m3fn byte as a float (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities,
+// S.1111.111 is NaN); an FP8 pool's scale is applied by the caller, outside the loops
+static float fp8_e4m3_values[256];
+
+__attribute__((constructor)) static void init_fp8_e4m3_values(void) {
+    for (int i = 0; i < 256; ++i) {
+        const int e = (i >> 3) & 15, m = i & 7;
+        float f = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.f + (float)m / 8.f, e - 7);
+        if (e == 15 && m == 7) f = NAN;
+        fp8_e4m3_values[i] = i & 128 ? -f : f;
+    }
+}
+
+// 16 values of a row (float32, bf16 or fp8) as floats
+static inline v16f load16(const void *base, int64_t i, int kind) {
+    if (kind == KV_F32) return *(const v16f *)((const float *)base + i);
+    if (kind == KV_FP8_E4M3) {
+        const uint8_t *p = (const uint8_t *)base + i;
+        v16f f;
+        for (int j = 0; j < 16; ++j) f[j] = fp8_e4m3_values[p[j]];
+        return f;
+    }
     v16u u = __builtin_convertvector(*(const v16h *)((const uint16_t *)base + i), v16u) << 16;
     v16f f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-static inline float load1(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
+static inline float load1(const void *base, int64_t i, int kind) {
+    if (kind == KV_F32) return ((const float *)base)[i];
+    if (kind == KV_FP8_E4M3) return fp8_e4m3_values[((const uint8_t *)base)[i]];
     uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
@@ -69,12 +92,12 @@ static inline v16f exp16(v16f x) {
 // row is a cache miss that the hardware prefetcher cannot foresee.
 #define PREFETCH_AHEAD 8
 
-// q: [B, Hq, D] float32; k, v: [slots, Hk, D] float32 or bf16; page_table: [rows, pt_stride] int32
+// q: [B, Hq, D] float32; k, v: [slots, Hk, D] of kv_kind (KV_F32, KV_BF16, KV_FP8_E4M3); page_table: [rows, pt_stride] int32
 // token slots; rows, lens: [B] int64; out: [B, Hq, D] float32.
-void decode_attention(const float *q, const void *k, const void *v, int kv_bf16, const int32_t *page_table,
+void decode_attention(const float *q, const void *k, const void *v, int kv_kind, const int32_t *page_table,
                       int64_t pt_stride, const int64_t *rows, const int64_t *lens, float *out, int B, int Hq,
                       int Hk, int D, float scale, int num_threads) {
-    const int G = Hq / Hk, vec = D % 16 == 0, nv = D / 16, esize = kv_bf16 ? 2 : 4;
+    const int G = Hq / Hk, vec = D % 16 == 0, nv = D / 16, esize = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1;
     const int64_t row_bytes = (int64_t)Hk * D * esize;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int b = 0; b < B; ++b) {
@@ -98,10 +121,10 @@ void decode_attention(const float *q, const void *k, const void *v, int kv_bf16,
                     if (vec) {
                         v16f acc = {0};
                         for (int c = 0; c < nv; ++c)
-                            acc += *(const v16f *)(qj + 16 * c) * load16(k, base + 16 * c, kv_bf16);
+                            acc += *(const v16f *)(qj + 16 * c) * load16(k, base + 16 * c, kv_kind);
                         s = hsum(acc);
                     } else {
-                        for (int d = 0; d < D; ++d) s += qj[d] * load1(k, base + d, kv_bf16);
+                        for (int d = 0; d < D; ++d) s += qj[d] * load1(k, base + d, kv_kind);
                     }
                     scores[j * L + t] = s * scale;
                 }
@@ -136,12 +159,12 @@ void decode_attention(const float *q, const void *k, const void *v, int kv_bf16,
                 const float *ph = scores + (int64_t)h * G * L + t;
                 if (vec) {
                     for (int c = 0; c < nv; ++c) {
-                        const v16f vr = load16(v, base + 16 * c, kv_bf16);
+                        const v16f vr = load16(v, base + 16 * c, kv_kind);
                         for (int g = 0; g < G; ++g) *(v16f *)(oh + (int64_t)g * D + 16 * c) += ph[g * L] * vr;
                     }
                 } else {
                     for (int d = 0; d < D; ++d) {
-                        const float vr = load1(v, base + d, kv_bf16);
+                        const float vr = load1(v, base + d, kv_kind);
                         for (int g = 0; g < G; ++g) oh[(int64_t)g * D + d] += ph[g * L] * vr;
                     }
                 }
