@@ -12,6 +12,7 @@ from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import PendingReq
 from minisgl.utils.misc import align_up
+from minisgl.utils.torch_utils import to_device_async
 
 
 @dataclass
@@ -53,7 +54,9 @@ class PrefillAdder:
         table_idx = self.table_manager.allocate()
         cm.attach_prefix(table_idx, match)
         ids = torch.tensor(pending_req.input_ids, dtype=torch.int32)
-        self.table_manager.token_pool[table_idx, : len(ids)] = ids.to(self.table_manager.token_pool.device)
+        # through pinned memory: a pageable copy would make the host wait for the step in flight
+        pool = self.table_manager.token_pool
+        pool[table_idx, : len(ids)] = to_device_async(ids, pool.device)
         self.reserved_size += need
         return self._make_req(pending_req, table_idx, match.length, match.handle)
 
