@@ -55,7 +55,9 @@ from minisgl.tokenizer.tool_parser import ToolCallParser
 class Choice:
     """What one sub-request has produced so far."""
 
-    text: str = ""
+    # the text in the pieces it came in, joined when read: appending each token to one string attribute
+    # would copy the whole answer at every token (quadratic in a long answer)
+    text_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
@@ -70,8 +72,15 @@ class Choice:
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
 
+    @property
+    def text(self) -> str:
+        if len(self.text_parts) > 1:
+            self.text_parts[:] = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
+
     def add(self, reply: UserReply) -> None:
-        self.text += reply.text
+        if reply.text:
+            self.text_parts.append(reply.text)
         self.prompt_tokens, self.cached_tokens = reply.prompt_tokens, reply.cached_tokens
         self.completion_tokens = reply.completion_tokens
         self.logprobs += reply.logprobs or []
@@ -468,7 +477,7 @@ class GenerateFormat(_Format):
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         if not (reply.text or reply.finished):
             return []
-        full = Choice(choice.text + reply.text, reply.finish_reason if reply.finished else None)
+        full = Choice([choice.text, reply.text], reply.finish_reason if reply.finished else None)
         full.prompt_tokens, full.cached_tokens = reply.prompt_tokens, reply.cached_tokens
         full.completion_tokens = reply.completion_tokens
         full.logprobs = choice.logprobs + (reply.logprobs or [])
