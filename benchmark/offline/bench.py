@@ -142,7 +142,9 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument(
+        "--temperature", type=float, default=0.6, help="the workload's sampling (--scenarios are greedy)"
+    )
     p.add_argument("--device", default=None, choices=[None, "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--max-running-req", type=int, default=256)
@@ -199,6 +201,14 @@ def main() -> None:
             p.error(
                 "--scenarios measures the CPU engines; run it with --device cpu or on a machine without a GPU"
             )
+        unused = {
+            "--trace": args.trace,
+            "--tp-size": args.tp_size > 1,
+            "--peer-batch": args.peer_batch,
+            "--peer-requests": args.peer_requests,
+        }
+        if any(unused.values()):
+            p.error(f"--scenarios does not take {', '.join(k for k, v in unused.items() if v)}")
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from scenarios import run_scenarios
 
