@@ -11,9 +11,14 @@ first run, right after `LLM()` with nothing before it, shows what a fresh proces
 start-up warm-up missed); the median of the others is the warm figure compared with the peer.
 `--kv-cache-dtype fp8_e4m3` runs minisgl with an FP8 KV cache (docs/benchmarks.md, "FP8 KV cache").
 
-`--scenarios 1,16,64,prefill500` runs fixed scenarios instead of the workload and prints one table:
-N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once) and
-prefillN (one N-token prompt, one new token: prompt tokens/s), each the median of --repeat runs.
+`--scenarios 1,16,64,prefill500,upstream` runs fixed scenarios on the CPU instead of the workload and
+prints one table with every engine, interleaved, and each scenario's floor (see scenarios.py):
+N streams (N requests of 32 random prompt tokens, 128 new tokens each, greedy, all at once),
+prefillN (one N-token prompt, one new token: prompt tokens/s) and upstream (the workload above as
+scaled by --num-requests/--min-len/--max-len, greedy), each the median of --repeat runs. With
+`--llamacpp model` (llama-cpp-python installed) llama.cpp runs the same GGUF file, all streams batched:
+    python benchmark/offline/bench.py --threads 1 --repeat 3 --num-requests 64 --min-len 32 --max-len 256 \
+        --scenarios 1,16,64,prefill500,upstream --llamacpp model
 """
 
 from __future__ import annotations
@@ -161,153 +166,6 @@ def run_hf_static(
     return Result(name, elapsed, work.output_tokens)
 
 
-def scenario_work(name: str, vocab: int) -> tuple[list[list[int]], int]:
-    """Prompts and new tokens of a scenario: "N" streams or "prefillN"."""
-    rng = random.Random(0)
-    top = min(10000, vocab - 1)
-    if name.startswith("prefill"):
-        return [[rng.randint(0, top) for _ in range(int(name.removeprefix("prefill")))]], 1
-    return [[rng.randint(0, top) for _ in range(32)] for _ in range(int(name))], 128
-
-
-def scenario_rate(name: str, prompts: list[list[int]], new: int, seconds: float) -> float:
-    """Output tokens/s for streams, prompt tokens/s for a prefill."""
-    return (
-        sum(len(p) for p in prompts) / seconds if name.startswith("prefill") else len(prompts) * new / seconds
-    )
-
-
-def run_scenarios(args: argparse.Namespace, vocab: int) -> None:
-    from statistics import median
-
-    from minisgl import LLM, SamplingParams
-
-    names = args.scenarios.split(",")
-    works = {n: scenario_work(n, vocab) for n in names}
-    streams = max(len(p) for p, _ in works.values())
-    longest = max(len(x) + new for p, new in works.values() for x in p)
-    rates: dict[str, dict[str, float]] = {n: {} for n in names}
-    columns: list[str] = []
-    for spec in args.formats.split(","):
-        # QUANTIZATION or QUANTIZATION@FILE: the weight format, and another model file if named
-        quantization, _, path = spec.partition("@")
-        llm = LLM(
-            path or args.model,
-            dtype=args.dtype,
-            quantization=quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            max_running_req=max(streams, 4),
-            cache_type="naive",
-            max_seq_len_override=longest + 8,
-        )
-        llm.generate([[1] * 16] * 2, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        dtype = str(llm.engine.config.dtype).removeprefix("torch.")
-        where = f" {os.path.basename(path).split('.')[-2]}" if path else ""
-        ours = f"minisgl ({dtype}, {quantization}{where})"
-        columns.append(ours)
-        for n, (prompts, new) in works.items():
-            times = []
-            for _ in range(args.repeat or 3):
-                start = time.perf_counter()
-                llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0))
-                times.append(time.perf_counter() - start)
-            rates[n][ours] = scenario_rate(n, prompts, new, median(times))
-            print(
-                f"{n:<12} {ours:<36} {rates[n][ours]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
-                flush=True,
-            )
-        model_dir = llm.engine.model_dir
-        llm.shutdown()
-    ours_columns = list(columns)
-
-    if args.peer != "none":
-        from transformers import AutoModelForCausalLM
-
-        for peer_dtype in args.peer_dtypes.split(","):
-            dt = torch.float32 if peer_dtype == "float32" else torch.bfloat16
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).eval()
-            col = f"transformers ({peer_dtype})"
-            columns.append(col)
-            for n, (prompts, new) in works.items():
-                ids = torch.tensor(prompts)
-                times = []
-                for _ in range(args.repeat or 3):
-                    start = time.perf_counter()
-                    with torch.inference_mode():
-                        model.generate(
-                            ids,
-                            attention_mask=torch.ones_like(ids),
-                            max_new_tokens=new,
-                            min_new_tokens=new,
-                            do_sample=False,
-                            eos_token_id=None,
-                            pad_token_id=0,
-                        )
-                    times.append(time.perf_counter() - start)
-                rates[n][col] = scenario_rate(n, prompts, new, median(times))
-                print(
-                    f"{n:<12} {col:<36} {rates[n][col]:10.1f} tok/s  (runs {[round(t, 2) for t in times]} s)",
-                    flush=True,
-                )
-            del model
-    if args.llamacpp:
-        for spec in args.llamacpp.split(","):
-            col = f"llama.cpp ({os.path.basename(spec).split('.')[-2]})"
-            columns.append(col)
-            for n, (prompts, new) in works.items():
-                rate = run_llamacpp(spec, n, prompts, new, args.repeat or 3)
-                if rate is not None:
-                    rates[n][col] = rate
-                    print(f"{n:<12} {col:<36} {rate:10.1f} tok/s", flush=True)
-    peers = [c for c in columns if c not in ours_columns]
-    print()
-    print("| scenario | " + " | ".join(columns) + (" | best minisgl / best peer |" if peers else " |"))
-    print("|---" * (len(columns) + 1 + bool(peers)) + "|")
-    for n in names:
-        cells = [f"{rates[n][c]:.1f}" if c in rates[n] else "n/a" for c in columns]
-        best_peer = max((rates[n][c] for c in peers if c in rates[n]), default=None)
-        best_ours = max(rates[n][c] for c in ours_columns)
-        ratio = f" | {best_ours / best_peer:.2f}x" if best_peer else (" | n/a" if peers else "")
-        unit = "prompt tok/s" if n.startswith("prefill") else "output tok/s"
-        label = f"{n} ({unit})" if n.startswith("prefill") else f"{n} stream{'s' if n != '1' else ''}"
-        print(f"| {label} | " + " | ".join(cells) + ratio + " |")
-
-
-def run_llamacpp(path: str, name: str, prompts: list[list[int]], new: int, repeat: int) -> float | None:
-    """llama.cpp (llama-cpp-python) on one stream or a prefill: greedy, never stopping at EOS.
-
-    Its Python binding decodes one sequence at a time, so N concurrent streams are not measured (None).
-    """
-    from statistics import median
-
-    from llama_cpp import Llama
-
-    if not name.startswith("prefill") and len(prompts) > 1:
-        return None
-    model = Llama(
-        path,
-        n_ctx=max(len(p) for p in prompts) + new + 8,
-        n_batch=512,
-        n_threads=torch.get_num_threads(),
-        n_threads_batch=torch.get_num_threads(),
-        verbose=False,
-    )
-    times = []
-    for _ in range(repeat):
-        model.reset()
-        start = time.perf_counter()
-        if name.startswith("prefill"):
-            model.eval(prompts[0])
-        else:
-            for i, _tok in enumerate(model.generate(prompts[0], top_k=1, temp=0.0, reset=True)):
-                if i + 1 == new:
-                    break
-        times.append(time.perf_counter() - start)
-    del model
-    return scenario_rate(name, prompts, new, median(times))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -317,7 +175,9 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument(
+        "--temperature", type=float, default=0.6, help="the workload's sampling (--scenarios are greedy)"
+    )
     p.add_argument("--top-k", type=int, default=-1, help="the workload's top_k (-1: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="the workload's top_p (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="the workload's min_p (0: off)")
@@ -351,7 +211,8 @@ def main() -> None:
     p.add_argument(
         "--llamacpp",
         default=None,
-        help="scenarios: GGUF files to run with llama-cpp-python as a peer, comma separated",
+        help="scenarios: GGUF files to run with llama-cpp-python as a peer, comma separated ('model': the "
+        "file minisgl loads)",
     )
     p.add_argument(
         "--repeat",
@@ -384,6 +245,25 @@ def main() -> None:
 
     vocab = ModelConfig.from_hf(load_hf_config(resolve_model_path(args.model))).vocab_size
     if args.scenarios:
+        if device != "cpu":
+            p.error(
+                "--scenarios measures the CPU engines; run it with --device cpu or on a machine without a GPU"
+            )
+        unused = {
+            "--trace": args.trace,
+            "--tp-size": args.tp_size > 1,
+            "--peer-batch": args.peer_batch,
+            "--peer-requests": args.peer_requests,
+            "--kv-cache-dtype": args.kv_cache_dtype not in (None, "auto"),
+            "--top-k": args.top_k != -1,
+            "--top-p": args.top_p != 1.0,
+            "--min-p": args.min_p != 0.0,
+        }
+        if any(unused.values()):
+            p.error(f"--scenarios does not take {', '.join(k for k, v in unused.items() if v)}")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from scenarios import run_scenarios
+
         run_scenarios(args, vocab)
         return
     work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)

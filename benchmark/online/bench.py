@@ -328,6 +328,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llama-cpp-python", default=sys.executable, help="a Python that has llama-cpp-python[server]"
     )
     p.add_argument(
+        "--llama-cpp-model", help="the GGUF file llama.cpp serves (default: the embedded model's file)"
+    )
+    p.add_argument(
+        "--llama-cpp-threads", type=int, default=0, help="llama.cpp's threads (0: as many as minisgl's torch)"
+    )
+    p.add_argument(
         "--tokenizer",
         help="the served model's folder, for its vocabulary and tokenizer (default: minisgl's --model, "
         "else the embedded model)",

@@ -76,19 +76,29 @@ def server_command(kind: str, port: int, args: argparse.Namespace) -> list[str]:
     if kind == "llama.cpp":
         from minisgl.models.gguf import default_model_path
 
-        # llama-cpp-python serves one request at a time; n_threads matches the machine's cores
+        # llama-cpp-python's server decodes one request at a time (it has no parallel slots); its
+        # threads are minisgl's (MINISGL_CPU_THREADS, else torch's choice), for prompts and tokens alike
+        threads = str(args.llama_cpp_threads or minisgl_threads())
         return [
             args.llama_cpp_python,
             "-m",
             "llama_cpp.server",
             "--model",
-            default_model_path(),
+            args.llama_cpp_model or default_model_path(),
             "--port",
             str(port),
             "--n_ctx",
             "4096",
             "--n_threads",
-            str(os.cpu_count() or 1),
+            threads,
+            "--n_threads_batch",
+            threads,
+            # logits of the last prompt token only (the default keeps every position's), and the fused
+            # attention llama.cpp picks by itself when it is not the server
+            "--logits_all",
+            "False",
+            "--flash_attn",
+            "True",
             "--verbose",
             "False",
             # by default a new request cuts off the one being streamed; queue them instead
@@ -96,6 +106,13 @@ def server_command(kind: str, port: int, args: argparse.Namespace) -> list[str]:
             "False",
         ]
     raise ValueError(f"unknown server {kind!r}; use minisgl or llama.cpp")
+
+
+def minisgl_threads() -> int:
+    """The torch threads a minisgl server started from this environment uses on the CPU."""
+    import torch
+
+    return int(os.environ.get("MINISGL_CPU_THREADS") or 0) or torch.get_num_threads()
 
 
 def _group_members(pgid: int) -> list[int]:
