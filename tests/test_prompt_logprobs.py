@@ -51,3 +51,26 @@ def test_a_one_token_prompt_has_one_empty_entry(
     llm = make_llm(tiny_model("llama"), max_running_req=2)
     out = llm.generate([[17]], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert out[0]["prompt_logprobs"] == [None] and len(out[0]["token_ids"]) <= 1
+
+
+def test_offline_output_logprobs_equal_transformers_for_each_generated_token(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    folder = tiny_model("llama")
+    llm = make_llm(folder, max_running_req=4)
+    asked = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2)
+    out = llm.generate(PROMPTS, [asked, SamplingParams(max_tokens=3), asked])
+    assert out[1]["logprobs"] is None  # not asked
+    for o, ids in zip(out, PROMPTS):
+        if o["logprobs"] is None:
+            continue
+        new = o["token_ids"]
+        assert len(o["logprobs"]) == len(new) == 5
+        want = _reference(folder, ids + new)
+        for i, (token, entry) in enumerate(zip(new, o["logprobs"])):
+            row = want[len(ids) - 1 + i]
+            assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+            top = row.topk(2)
+            for value, t in zip(top.values.tolist(), top.indices.tolist()):
+                assert entry[t] == pytest.approx(value, abs=1e-4)
+    assert_nothing_held(llm)

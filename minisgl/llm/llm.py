@@ -39,6 +39,8 @@ class RequestStatus:
     # with prompt_logprobs: None for the first prompt token, then {token id: log-probability} of the prompt
     # token and the most likely ones
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with logprobs: {token id: log-probability} of each output token and the most likely ones
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -136,6 +138,8 @@ class LLM(Scheduler):
             step = status.detokenizer.step(msg)
             if step.output_token is not None:
                 status.output_ids.append(step.output_token)
+                if status.logprobs is not None and msg.logprob is not None:
+                    status.logprobs.append({msg.next_token: msg.logprob, **dict(msg.top_logprobs or [])})
             if step.abort:
                 self._abort_queue.append(msg.uid)
             if step.finished:
@@ -153,6 +157,10 @@ class LLM(Scheduler):
         use_tqdm: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; each output has text, token_ids, finish_reason and error.
+
+        With `logprobs=k`, `logprobs` holds, for each of token_ids, {token id: log-probability} of that
+        token and the k most likely (vLLM's shape, as dicts); with `prompt_logprobs=k`, `prompt_logprobs`
+        the same for each prompt token (None for the first).
 
         Invalid sampling parameters raise ValueError before anything is scheduled. A prompt the model
         cannot take gets finish_reason "error" and a message, while the others complete.
@@ -184,7 +192,9 @@ class LLM(Scheduler):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, sp.stop, streaming=False, min_tokens=sp.min_tokens
             )
-            self.status_map[uid] = RequestStatus(uid, input_ids, detokenizer)
+            self.status_map[uid] = RequestStatus(
+                uid, input_ids, detokenizer, logprobs=[] if sp.logprobs is not None else None
+            )
         self._progress = GenerateProgress(len(prompts), use_tqdm)
         TRACE.arrivals(list(self.status_map))
         try:
@@ -230,6 +240,7 @@ class LLM(Scheduler):
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
             "prompt_logprobs": status.prompt_logprobs,
+            "logprobs": status.logprobs,
         }
 
     def _stop_ranks_after_error(self) -> None:
