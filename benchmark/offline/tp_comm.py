@@ -1,7 +1,8 @@
 """What tensor parallelism's collectives cost on this machine's GPUs: the all-reduce after each
 row-parallel linear, the LM head's all-gather of logits and the broadcast of sampled tokens, at decode
-sizes, eager and replayed from a CUDA graph (as decode runs them). Also whether the GPUs reach each other
-directly (peer access), which decides whether NCCL uses NVLink or goes through host memory.
+sizes, eager and replayed from a CUDA graph (as decode runs them), and the all-reduce through torch's
+symmetric memory beside NCCL's. Also whether the GPUs reach each other directly (peer access), which
+decides whether NCCL uses NVLink or goes through host memory.
 
     python benchmark/offline/tp_comm.py [--hidden 4096] [--vocab 128256]
 """
@@ -40,6 +41,30 @@ def _time(fn, graph: bool, iters: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _symm_mem_cases(batch: int, hidden: int) -> dict:
+    """The same all-reduce through torch's symmetric memory (peer loads over NVLink, no multicast): one
+    pass (each rank reads every rank's buffer) and two (reduce-scatter then all-gather), as candidates for
+    the row-parallel all-reduce at decode sizes, where NCCL's ring pays its launch and protocol latency."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        buf = symm_mem.empty((batch, hidden), dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(buf, group)
+    except Exception as e:
+        return {f"symm_mem [{batch}, {hidden}]: {type(e).__name__} {str(e)[:60]}": lambda: None}
+    out = torch.empty_like(buf)
+    ops = torch.ops.symm_mem
+    return {
+        f"symm_mem one-shot all_reduce [{batch}, {hidden}]": lambda: ops.one_shot_all_reduce_out(
+            buf, "sum", group, out
+        ),
+        f"symm_mem two-shot all_reduce [{batch}, {hidden}]": lambda: ops.two_shot_all_reduce_(
+            buf, "sum", group
+        ),
+    }
+
+
 def _rank(rank: int, world: int, port: int, hidden: int, vocab: int, out: dict) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -56,8 +81,14 @@ def _rank(rank: int, world: int, port: int, hidden: int, vocab: int, out: dict) 
             ),
             f"broadcast tokens [{batch}] int64": lambda t=tokens: dist.broadcast(t, src=0),
         }
+        cases.update(_symm_mem_cases(batch, hidden))
         for name, fn in cases.items():
-            rows.append((name, _time(fn, False), _time(fn, True)))
+            try:
+                rows.append((name, _time(fn, False), _time(fn, True)))
+            except Exception as e:  # an operator this torch or this machine lacks: say so, measure the rest
+                rows.append(
+                    (f"{name}: {type(e).__name__} {str(e).splitlines()[0][:60]}", float("nan"), float("nan"))
+                )
     if rank == 0:
         out["rows"] = rows
     dist.barrier()
