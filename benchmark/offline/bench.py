@@ -258,6 +258,7 @@ def main() -> None:
             "--top-k": args.top_k != -1,
             "--top-p": args.top_p != 1.0,
             "--min-p": args.min_p != 0.0,
+            "--max-running-req": args.max_running_req != 256,  # a scenario runs all its streams at once
         }
         if any(unused.values()):
             p.error(f"--scenarios does not take {', '.join(k for k, v in unused.items() if v)}")
