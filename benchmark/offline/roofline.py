@@ -5,7 +5,8 @@ Sections: ceilings (copy bandwidth, bf16 matmul rate), attention (the decode ker
 tile configurations), fused (fused kernels against their torch versions), sampler, steps (one decode
 step at batch 64 and 256 replayed from its CUDA graph, and one 8192-token prefill, each against the
 floor its bytes and FLOPs give), e2e (the whole workload with the GPU time of every step recorded, to
-tell device time from host time).
+tell device time from host time). With the steps section, the decode steps are also drawn against their
+floors by batch size (roofline_plot.py) next to the JSON, as a PNG of the same name.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def steps(model_dir: str, ceil: dict[str, float]) -> dict[str, Any]:
     flops_rate = ceil["matmul_tflops"] * 1e12
     out: dict[str, Any] = {"weight_bytes": w_bytes, "kv_bytes_per_token": per_token_kv}
     gr, be = eng.graph_runner, eng.attn_backend
-    for bs in (64, 256):
+    for bs in sorted(gr.graphs):  # every captured batch size: the plot's points
         lens = mid_run_contexts(bs)
         slots = torch.randperm(eng.num_pages * eng.page_size, device="cuda")[: sum(lens)].to(torch.int32)
         start = 0
@@ -335,7 +336,11 @@ def main() -> None:
     p.add_argument("--e2e-requests", type=int, default=256)
     args = p.parse_args()
     sections = args.sections.split(",")
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": os.path.basename(os.path.normpath(args.model)),
+    }
     result["ceilings"] = ceilings()
     torch.cuda.empty_cache()
     print(f"ceilings: {result['ceilings']}", flush=True)
@@ -353,6 +358,9 @@ def main() -> None:
         if "steps" in sections:
             result["steps"] = steps(args.model, result["ceilings"])
             save(result, args.json)
+            from roofline_plot import plot
+
+            plot(result, os.path.splitext(args.json)[0] + ".png")
         if "e2e" in sections:
             result["e2e"] = e2e(args.model, args.e2e_requests)
             save(result, args.json)
