@@ -21,7 +21,7 @@ if [ "$STAGE" != measure ]; then
 timeout 240 python -m pytest -q -rfs -p no:cacheprovider tests/test_rotary_store.py tests/test_triton_kernels.py \
     2>&1 | tee "$OUT/prefill_kernel_tests.log" | tail -4
 timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_fp8_kv.py tests/test_gpu.py \
-    -k "float32_greedy or graphs_overlap or fp8" 2>&1 | tee "$OUT/prefill_engine_tests.log" | tail -4
+    -k "float32_greedy or kv_stored or graphs_overlap or fp8" 2>&1 | tee "$OUT/prefill_engine_tests.log" | tail -4
 fi
 [ "$STAGE" = tests ] && exit 0
 python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
