@@ -72,8 +72,8 @@ class _Env:
         self.KERNELS = EnvVar(
             "MINISGL_KERNELS",
             "auto",
-            "auto (the Triton kernels on CUDA, torch and C kernels elsewhere) or triton (the Triton kernels and "
-            "attention backend on any device; on a CPU through Triton's interpreter, TRITON_INTERPRET=1, "
+            "auto (the Triton kernels on CUDA, torch and C kernels elsewhere) or triton (the Triton kernels, "
+            "attention and MoE backends on any device; on a CPU through Triton's interpreter, TRITON_INTERPRET=1, "
             "slow: for tests and launch counts of the CUDA path)",
         )
         self.SEPARATE_KV_STORE = EnvVar(

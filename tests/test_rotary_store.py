@@ -26,7 +26,9 @@ from minisgl.kernel import use_triton  # noqa: E402
 from minisgl.kernel.rotary import apply_rotary  # noqa: E402
 from minisgl.kernel.store import store_kv  # noqa: E402
 from minisgl.kvcache.mha_pool import FP8_DTYPE  # noqa: E402
+from minisgl.layers.moe import MoeExperts  # noqa: E402
 from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+from minisgl.moe.triton_backend import TritonMoeBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 HQ, HK, D = 4, 2, 16
@@ -122,10 +124,17 @@ def test_rotary_kernel_refuses_an_fp8_destination_without_scales() -> None:
         apply_rotary(torch.tensor([0], device=DEVICE), q, k, cos_sin, v=k.clone(), dest=dest)
 
 
-# qwen3 has the q/k norm in the rotary kernel, llama not; the last case stores K/V in a launch of its own
+# qwen3 has the q/k norm in the rotary kernel, llama not; one case stores K/V in a launch of its own; the
+# MoE model takes the Triton MoE backend too
 @pytest.mark.parametrize(
     "variant,page_size,separate",
-    [("qwen3", 1, False), ("qwen3", 16, False), ("llama", 16, False), ("qwen3", 16, True)],
+    [
+        ("qwen3", 1, False),
+        ("qwen3", 16, False),
+        ("llama", 16, False),
+        ("qwen3", 16, True),
+        ("qwen3-moe", 16, False),
+    ],
 )
 def test_engine_on_the_triton_path_gives_the_greedy_tokens_of_transformers(
     variant: str, page_size: int, separate: bool, tiny_model, hf_reference, make_llm, monkeypatch
@@ -143,6 +152,8 @@ def test_engine_on_the_triton_path_gives_the_greedy_tokens_of_transformers(
     prompts = random_prompts(3, seed=4, max_len=24)
     llm = make_llm(folder, page_size=page_size, max_running_req=4, device=DEVICE.type)
     assert isinstance(llm.engine.attn_backend, TritonAttnBackend)
+    moe = [m.backend for m in llm.engine.model.modules() if isinstance(m, MoeExperts)]
+    assert all(isinstance(b, TritonMoeBackend) for b in moe) and bool(moe) == ("moe" in variant)
     out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
 
