@@ -162,3 +162,22 @@ def test_an_unknown_kernels_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ENV.KERNELS, "value", "cuda")
     with pytest.raises(ValueError, match="MINISGL_KERNELS='cuda' is unknown; use auto or triton"):
         use_triton(torch.zeros(1))
+
+
+def test_engine_on_the_triton_path_reads_its_fp8_stores_as_the_torch_backend_does(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The rotary kernel's FP8 stores (with the checkpoint's per-layer scales) against the torch
+    backend's store and dequantizing reads: the same tokens, logits equal to float32 rounding."""
+    from test_fp8_kv import _with_kv_scales, greedy_run
+
+    folder = _with_kv_scales(tiny_model("qwen3"), str(tmp_path / "scaled"), [0.5, 2.0], [0.25, 1.5])
+    prompts = random_prompts(3, seed=4, max_len=24)
+    args = dict(dtype=torch.float32, device=DEVICE.type, max_running_req=4, page_size=16, cuda_graph_max_bs=0)
+    torch_run = greedy_run(folder, "fp8", prompts, 6, attention_backend="torch", **args)
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    monkeypatch.setattr("minisgl.attention.triton_backend.store_kv", None)  # a separate store would fail
+    run = greedy_run(folder, "fp8", prompts, 6, attention_backend="triton", **args)
+    assert run.tokens == torch_run.tokens
+    for got, want in zip(run.logits, torch_run.logits):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

@@ -39,6 +39,12 @@ class TritonAttnBackend(BaseAttnBackend):
         self.page_table = page_table
         self.device = device
         self.scale = kv_cache.head_dim**-0.5
+        # each layer's K and V pools and scales as views made once (every step asks for them layer by layer);
+        # the scales are device views, so a captured graph reads them, not a copy of their values
+        self.layer_views = [
+            (kv_cache.k_cache(i), kv_cache.v_cache(i), *kv_cache.scales(i))
+            for i in range(kv_cache.num_layers)
+        ]
         self.graph_meta: torch.Tensor | None = None  # [2, max_bs] static decode metadata of the graphs
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -73,12 +79,7 @@ class TritonAttnBackend(BaseAttnBackend):
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
         if ENV.SEPARATE_KV_STORE.value:
             return None
-        return self._destination(layer_id, batch)
-
-    def _destination(self, layer_id: int, batch: Batch) -> KVDestination:
-        # device views of the layer's scales, so a captured graph reads them, not a copy of their values
-        k_scale, v_scale = self.kv_cache.scales(layer_id)
-        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
         return KVDestination(k_cache, v_cache, batch.out_loc, k_scale, v_scale)
 
     def forward(
@@ -91,8 +92,7 @@ class TritonAttnBackend(BaseAttnBackend):
         kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TritonAttnMetadata = batch.attn_metadata
-        dest = self._destination(layer_id, batch)
-        k_cache, v_cache, k_scale, v_scale = dest.k_cache, dest.v_cache, dest.k_scale, dest.v_scale
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
         if not kv_stored:
             # the store casts (and for FP8 scales) to the pool's dtype
             store_kv(k, v, k_cache, v_cache, batch.out_loc, k_scale, v_scale)
