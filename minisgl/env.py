@@ -69,6 +69,18 @@ class _Env:
         self.DISABLE_CPU_KERNELS = EnvVar(
             "MINISGL_DISABLE_CPU_KERNELS", False, "use torch ops instead of the C kernels built for the CPU"
         )
+        self.KERNELS = EnvVar(
+            "MINISGL_KERNELS",
+            "auto",
+            "auto (the Triton kernels on CUDA, torch and C kernels elsewhere) or triton (the Triton kernels, "
+            "attention and MoE backends on any device; on a CPU through Triton's interpreter, TRITON_INTERPRET=1, "
+            "slow: for tests and launch counts of the CUDA path)",
+        )
+        self.SEPARATE_KV_STORE = EnvVar(
+            "MINISGL_SEPARATE_KV_STORE",
+            False,
+            "store K/V in a launch of their own instead of from the rotary kernel (to measure that fusion)",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

@@ -74,6 +74,21 @@ def test_float32_greedy_tokens_equal_transformers(
     assert llm.table_manager.available_size == 8
 
 
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_kv_stored_by_the_rotary_kernel_or_on_its_own_gives_transformers_tokens(
+    variant: str, separate: bool, tiny_model, hf_reference, make_llm, monkeypatch
+) -> None:
+    # decode replays graphs captured with the store inside the rotary kernel (or beside it)
+    monkeypatch.setattr(ENV.SEPARATE_KV_STORE, "value", separate)
+    folder = tiny_model(variant)
+    prompts = random_prompts(9, seed=7, max_len=60)
+    llm = gpu_llm(make_llm, folder, page_size=16, max_extend_tokens=96)
+    assert llm.engine.graph_runner.graphs, "decode should run from CUDA graphs"
+    out = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
+
+
 def test_torch_backend_on_cuda_runs_without_graphs(tiny_model, hf_reference, make_llm) -> None:
     folder = tiny_model("qwen3")
     prompts = random_prompts(5, seed=6, max_len=30)

@@ -1,10 +1,12 @@
-"""Attention backends by name; "auto" is "triton" on CUDA, and on the CPU "cpu" where its C kernel builds, else "torch"."""
+"""Attention backends by name; "auto" is "triton" on CUDA (or anywhere with MINISGL_KERNELS=triton), and on
+the CPU "cpu" where its C kernel builds, else "torch"."""
 
 from __future__ import annotations
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import BaseAttnBackend, KVDestination
+from minisgl.kernel import triton_everywhere
 from minisgl.kvcache.mha_pool import MHAKVCache
 
 
@@ -12,7 +14,7 @@ def create_attn_backend(
     name: str, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device
 ) -> BaseAttnBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
+        name = "triton" if device.type == "cuda" or triton_everywhere() else "cpu"
     if name == "cpu":
         from minisgl.kernel.cpu import library
 
@@ -34,4 +36,4 @@ def create_attn_backend(
     raise ValueError(f"attention backend {name!r} is unknown; use one of auto, cpu, torch, triton")
 
 
-__all__ = ["BaseAttnBackend", "create_attn_backend"]
+__all__ = ["BaseAttnBackend", "KVDestination", "create_attn_backend"]

@@ -42,12 +42,19 @@ class CpuAttnBackend(TorchAttnBackend):
         batch.attn_metadata = CpuDecodeMetadata(meta[0], meta[1])
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if not batch.is_decode:
-            return super().forward(q, k, v, layer_id, batch)
+            return super().forward(q, k, v, layer_id, batch, kv_stored)
         meta: CpuDecodeMetadata = batch.attn_metadata
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        if not kv_stored:
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         out = decode_attention(
             self.lib,
             q,

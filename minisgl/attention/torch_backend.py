@@ -65,12 +65,19 @@ class TorchAttnBackend(BaseAttnBackend):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TorchAttnMetadata = batch.attn_metadata
         out_dtype = q.dtype
         q = q.to(self.kv_cache.attention_dtype(q.dtype))
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        if not kv_stored:
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         bs, max_q, max_kv = meta.batch_size, meta.max_q, meta.max_kv
         num_q, num_kv, d = q.shape[1], k.shape[1], q.shape[2]
         # an FP8 pool's rows come back dequantized: SDPA takes no FP8 operands

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import BaseAttnBackend, KVDestination
 from minisgl.core import Batch
+from minisgl.env import ENV
 from minisgl.kernel.attention import decode_attention, decode_splits, extend_attention
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -38,6 +39,12 @@ class TritonAttnBackend(BaseAttnBackend):
         self.page_table = page_table
         self.device = device
         self.scale = kv_cache.head_dim**-0.5
+        # each layer's K and V pools and scales as views made once (every step asks for them layer by layer);
+        # the scales are device views, so a captured graph reads them, not a copy of their values
+        self.layer_views = [
+            (kv_cache.k_cache(i), kv_cache.v_cache(i), *kv_cache.scales(i))
+            for i in range(kv_cache.num_layers)
+        ]
         self.graph_meta: torch.Tensor | None = None  # [2, max_bs] static decode metadata of the graphs
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -69,15 +76,26 @@ class TritonAttnBackend(BaseAttnBackend):
             packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
         )
 
+    def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
+        if ENV.SEPARATE_KV_STORE.value:
+            return None
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        return KVDestination(k_cache, v_cache, batch.out_loc, k_scale, v_scale)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TritonAttnMetadata = batch.attn_metadata
-        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        # device views of the layer's scales, so a captured graph reads them, not a copy of their values
-        k_scale, v_scale = self.kv_cache.scales(layer_id)
-        # the store casts (and for FP8 scales) to the pool's dtype
-        store_kv(k, v, k_cache, v_cache, batch.out_loc, k_scale, v_scale)
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        if not kv_stored:
+            # the store casts (and for FP8 scales) to the pool's dtype
+            store_kv(k, v, k_cache, v_cache, batch.out_loc, k_scale, v_scale)
         out_dtype = q.dtype
         q = q.to(self.kv_cache.attention_dtype(q.dtype))
         if batch.is_decode:

@@ -4,7 +4,7 @@ so that the first request runs at full speed instead of waiting for compilation.
 Triton compiles a kernel once per combination of its constexpr values, its dtypes, and what it
 specialises the other arguments on: an integer equal to 1 or divisible by 16, a pointer aligned to
 16 bytes. The variants a workload reaches, and where each is compiled:
-- the model in a prefill (extend attention, rotary, KV store, norms, activation): one step compiles
+- the model in a prefill (extend attention, rotary with the KV store, norms, activation): one step compiles
   them for every length, as no argument of theirs depends on the token count; the MoE kernel's row
   block height follows the tokens per expert, so one step per height (`_prefill_lengths`);
 - the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);

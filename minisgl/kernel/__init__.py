@@ -16,9 +16,19 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_everywhere() -> bool:
+    """Whether MINISGL_KERNELS=triton asks for the CUDA path's Triton kernels on every device."""
+    from minisgl.env import ENV
+
+    choice = ENV.KERNELS.value
+    if choice not in ("auto", "triton"):
+        raise ValueError(f"MINISGL_KERNELS={choice!r} is unknown; use auto or triton")
+    return choice == "triton"
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether `x` is computed by the Triton kernels (CUDA tensors, with triton installed)."""
-    return x.is_cuda and triton_available()
+    """Whether `x` is computed by the Triton kernels (CUDA tensors, or any with MINISGL_KERNELS=triton)."""
+    return (x.is_cuda or triton_everywhere()) and triton_available()
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
-from minisgl.kvcache.mha_pool import FP8_DTYPE
+from minisgl.kernel.store import check_fp8_pool
 
 _LOG2E = 1.4426950408889634
 
@@ -173,14 +173,6 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
-def _check_fp8(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
-    """Whether the pool is FP8; such a pool cannot be read without its scales."""
-    fp8 = k_cache.dtype == FP8_DTYPE
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
-    return fp8
-
-
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
     want = triton.cdiv(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
@@ -205,7 +197,7 @@ def decode_attention(
     tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
     for a float32 one).
     """
-    fp8 = _check_fp8(k_cache, k_scale, v_scale)
+    fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -383,7 +375,7 @@ def extend_attention(
     q: [T, Hq, D] packed by request; this step's K/V must already be in the pool. -> [T, Hq, D]
     An FP8 pool is read as in decode_attention.
     """
-    fp8 = _check_fp8(k_cache, k_scale, v_scale)
+    fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     t, hq, d = q.shape
     hk = k_cache.shape[1]
     bs = rows.shape[0]

@@ -1,13 +1,23 @@
 """Rotary embedding of q and k in place, one launch for both (the rotate-half layout of HF checkpoints).
 
-Qwen3's RMSNorm over each q and k head can be folded in: the head is in registers already.
+Qwen3's RMSNorm over each q and k head can be folded in: the head is in registers already. So can the
+write of this step's K (rotated) and V into the paged pool, which otherwise takes a launch of its own
+(store.py) that reads K back: the conversion to the pool's dtype is store.py's `to_pool`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+from minisgl.kernel.store import check_fp8_pool, to_pool
+from minisgl.kvcache.mha_pool import FP8_MAX
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import KVDestination
 
 
 @triton.jit
@@ -25,6 +35,7 @@ def _rotate(
     HALF: tl.constexpr,
     NORM: tl.constexpr,
 ):
+    """Rotates token t's heads in place and returns the two rotated halves, [BLOCK_H, HALF] each."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     mask = heads[:, None] < H
@@ -43,23 +54,36 @@ def _rotate(
     c = cos.to(x1.dtype).to(tl.float32)[None, :]
     s = sin.to(x1.dtype).to(tl.float32)[None, :]
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(ptr, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(ptr + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+    y1 = (a * c - b * s).to(x1.dtype)
+    y2 = (b * c + a * s).to(x1.dtype)
+    tl.store(ptr, y1, mask=mask)
+    tl.store(ptr + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _rope_kernel(
     Q,
     K,
+    V,
     Pos,
     CosSin,
     QW,
     KW,
+    KCache,
+    VCache,
+    Loc,
+    KScale,
+    VScale,
     eps,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_ch,
     stride_cs,
     HQ: tl.constexpr,
     HK: tl.constexpr,
@@ -67,6 +91,9 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(Pos + t)
@@ -75,7 +102,19 @@ def _rope_kernel(
     cos = tl.load(CosSin + pos * stride_cs + d)
     sin = tl.load(CosSin + pos * stride_cs + 2 * HALF + d)
     _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM)
-    _rotate(K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM)
+    k1, k2 = _rotate(K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM)
+    if STORE:
+        slot = tl.load(Loc + t).to(tl.int64)
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        mask = heads < HK
+        dst = slot * stride_ct + heads * stride_ch + d[None, :]
+        tl.store(KCache + dst, to_pool(k1, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+        tl.store(KCache + dst + HALF, to_pool(k2, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+        src = V + t * stride_vt + heads * stride_vh + d[None, :]
+        v1 = tl.load(src, mask=mask)
+        v2 = tl.load(src + HALF, mask=mask)
+        tl.store(VCache + dst, to_pool(v1, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
+        tl.store(VCache + dst + HALF, to_pool(v2, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
 
 
 def apply_rotary(
@@ -84,28 +123,50 @@ def apply_rotary(
     k: torch.Tensor,
     cos_sin: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    v: torch.Tensor | None = None,
+    dest: KVDestination | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (strided views are fine, the last dim contiguous), rotated in place.
 
     With qk_norm = (q weight, k weight, eps), each head is RMS-normalised first, in the same pass.
+    With dest (and v, [T, Hk, D]), the rotated K and V are also written into the pool at dest.loc, as
+    store.store_kv writes them.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and d % 2 == 0
+    if dest is not None and v is None:
+        raise ValueError("storing K/V from the rotary kernel needs v beside the destination")
     if t == 0:
         return q, k
+    fp8 = False
+    if dest is not None:
+        assert v is not None and v.shape == k.shape and v.stride(-1) == 1
+        assert dest.k_cache.stride() == dest.v_cache.stride() and dest.k_cache.stride(-1) == 1
+        fp8 = check_fp8_pool(dest.k_cache, dest.k_scale, dest.v_scale)
+    # unused pointer arguments get a tensor that is there: a kernel variant without STORE never reads them
     _rope_kernel[(t,)](
         q,
         k,
+        v if dest else k,
         positions,
         cos_sin,
         qk_norm[0] if qk_norm else q,
         qk_norm[1] if qk_norm else k,
+        dest.k_cache if dest else k,
+        dest.v_cache if dest else k,
+        dest.loc if dest else positions,
+        dest.k_scale if dest else cos_sin,
+        dest.v_scale if dest else cos_sin,
         qk_norm[2] if qk_norm else 0.0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0) if dest else 0,
+        v.stride(1) if dest else 0,
+        dest.k_cache.stride(0) if dest else 0,
+        dest.k_cache.stride(1) if dest else 0,
         cos_sin.stride(0),
         HQ=hq,
         HK=hk,
@@ -113,6 +174,9 @@ def apply_rotary(
         BLOCK_HK=triton.next_power_of_2(hk),
         HALF=d // 2,
         NORM=qk_norm is not None,
+        STORE=dest is not None,
+        FP8=fp8,
+        FP8_LIMIT=FP8_MAX,
         num_warps=4,
     )
     return q, k

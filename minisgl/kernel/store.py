@@ -1,7 +1,8 @@
 """Writing a step's K and V into the paged pool in one launch (torch's index_copy_ takes two).
 
 An FP8 pool (float8_e4m3fn) stores clamp(x / scale, ±448) with the layer's K or V scale, as
-`quantize_fp8` in minisgl/kvcache/mha_pool.py does on the torch path.
+`quantize_fp8` in minisgl/kvcache/mha_pool.py does on the torch path. `to_pool` is that conversion
+for any kernel that writes the pool (the rotary kernel stores K/V with it too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ def _round_to_e4m3(x):
     a = tl.abs(x)
     sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
     return tl.where(a < 0.015625, tl.where(x < 0, -sub, sub), normal)
+
+
+@triton.jit
+def to_pool(x, Scale, Cache, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """x as the pool `Cache` stores it: cast, and for FP8 first divided by the scale, clamped and rounded."""
+    if FP8:
+        # a multiply by the reciprocal could round differently from the torch path's division
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32) / tl.load(Scale), -FP8_LIMIT, FP8_LIMIT))
+    return x.to(Cache.dtype.element_ty)
+
+
+def check_fp8_pool(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the pool is FP8; such a pool cannot be written or read without its scales."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
+    return fp8
 
 
 @triton.jit
@@ -59,13 +77,9 @@ def _store_kv_kernel(
     mask = (heads < H) & (d < D)
     k = tl.load(K + t * stride_kt + heads * stride_kh + d, mask=mask)
     v = tl.load(V + t * stride_vt + heads * stride_vh + d, mask=mask)
-    if FP8:
-        # a multiply by the reciprocal could round differently from the torch path's division
-        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / tl.load(KScale), -FP8_LIMIT, FP8_LIMIT))
-        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / tl.load(VScale), -FP8_LIMIT, FP8_LIMIT))
     dst = slot * stride_ct + heads * stride_ch + d
-    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
-    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
+    tl.store(KCache + dst, to_pool(k, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+    tl.store(VCache + dst, to_pool(v, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
 
 
 def store_kv(
@@ -85,9 +99,7 @@ def store_kv(
     if t == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    fp8 = k_cache.dtype == FP8_DTYPE
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 pool needs the layer's k_scale and v_scale")
+    fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     _store_kv_kernel[(t,)](
         k,
         v,

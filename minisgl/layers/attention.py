@@ -45,9 +45,12 @@ class AttentionLayer(nn.Module):
         q = q.view(-1, self.num_qo_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        backend, batch = ctx.attn_backend, ctx.batch
+        # where the backend allows it, the rotary kernel writes K/V into the pool: one launch fewer
+        dest = backend.kv_destination(self.layer_id, batch) if self.rotary.stores_kv(q) else None
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+            q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, dest)
         else:
-            q, k = self.rotary(positions, q, k)
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+            q, k = self.rotary(positions, q, k, v, dest)
+        out = backend.forward(q, k, v, self.layer_id, batch, kv_stored=dest is not None)
         return self.o_proj(out.reshape(-1, q_size))

@@ -12,11 +12,13 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel import triton_everywhere
 from minisgl.layers.quant import QuantizedWeight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there)."""
+    """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there),
+    unless MINISGL_KERNELS=triton runs the CUDA path's code there."""
     if (
         x.dim() == 2
         and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS
@@ -24,6 +26,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.device.type == "cpu"
         and weight.shape[1] % 16 == 0
         and weight.is_contiguous()
+        and not triton_everywhere()
     ):
         lib = cpu_kernels.library()
         if lib is not None:

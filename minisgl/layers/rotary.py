@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -11,6 +11,9 @@ from torch import nn
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import use_triton
 from minisgl.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import KVDestination
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -48,13 +51,21 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        dest: KVDestination | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        if self._fused(q):
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. With v and dest (only where `stores_kv(q)`),
+        the rotated K and V are written into the pool at dest in the same launch."""
+        if self.stores_kv(q):
             from minisgl.kernel.rotary import apply_rotary
 
-            return apply_rotary(positions, q, k, self.cos_sin)
+            return apply_rotary(positions, q, k, self.cos_sin, v=v, dest=dest)
+        if dest is not None:
+            raise ValueError("the torch rotary does not store K/V; check stores_kv first")
         lib = cpu_kernels.elementwise_lib(q)
         if lib is not None and k.dtype == q.dtype and q.stride(1) == k.stride(1) == self.head_dim:
             # in place: q and k are views of this layer's own qkv projection output
@@ -63,16 +74,26 @@ class RotaryEmbedding(nn.Module):
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
     def forward_with_qk_norm(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+        v: torch.Tensor | None = None,
+        dest: KVDestination | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm over each q and k head (Qwen3), then the rotation; one launch on CUDA."""
-        if self._fused(q) and q_norm.eps == k_norm.eps:
+        """RMSNorm over each q and k head (Qwen3), then the rotation (and the K/V store, as in forward);
+        one launch on CUDA."""
+        if self.stores_kv(q) and q_norm.eps == k_norm.eps:
             from minisgl.kernel.rotary import apply_rotary
 
-            return apply_rotary(positions, q, k, self.cos_sin, (q_norm.weight, k_norm.weight, q_norm.eps))
-        return self.forward(positions, q_norm(q), k_norm(k))
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+            return apply_rotary(positions, q, k, self.cos_sin, norms, v, dest)
+        return self.forward(positions, q_norm(q), k_norm(k), v, dest)
 
-    def _fused(self, q: torch.Tensor) -> bool:
+    def stores_kv(self, q: torch.Tensor) -> bool:
+        """Whether the rotation of q runs in the Triton kernel, which can also store K/V into the pool."""
         half = self.head_dim // 2
         return use_triton(q) and half & (half - 1) == 0  # the kernel's tiles want D/2 a power of 2
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.kernel import use_triton
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -62,7 +63,12 @@ class DecoderModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
-        return self.norm(x + residual) if residual is not None else self.norm(x)
+        if residual is None:
+            return self.norm(x)
+        if use_triton(x):
+            # the add folds into the norm's launch, as in every layer
+            return self.norm.forward_with_residual(x, residual)[0]
+        return self.norm(x + residual)
 
 
 class LlamaForCausalLM(nn.Module):

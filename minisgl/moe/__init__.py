@@ -1,9 +1,11 @@
-"""MoE backends by name; the experts layer picks "triton" on CUDA and "torch" elsewhere unless told otherwise."""
+"""MoE backends by name; the experts layer picks "triton" on CUDA (or anywhere with MINISGL_KERNELS=triton) and
+"torch" elsewhere unless told otherwise."""
 
 from __future__ import annotations
 
 import torch
 
+from minisgl.kernel import triton_everywhere
 from minisgl.moe.base import BaseMoeBackend, select_experts
 
 MOE_BACKENDS = ("auto", "torch", "triton")
@@ -11,7 +13,7 @@ MOE_BACKENDS = ("auto", "torch", "triton")
 
 def create_moe_backend(name: str, device: torch.device) -> BaseMoeBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" or triton_everywhere() else "torch"
     if name == "torch":
         from minisgl.moe.torch_backend import TorchMoeBackend
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from minisgl.env import ENV
+from minisgl.kernel import triton_everywhere
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -172,9 +173,10 @@ def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
 def elementwise_lib(x: torch.Tensor) -> ctypes.CDLL | None:
     """The kernels for the small ops of a layer (elementwise.c) where they serve `x`: bf16 on the CPU.
 
-    float32 keeps the torch ops, the reference the tests compare with transformers.
+    float32 keeps the torch ops, the reference the tests compare with transformers; MINISGL_KERNELS=triton
+    runs the CUDA path's code, which has no C kernels.
     """
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or triton_everywhere():
         return None
     return library()
 

@@ -1,0 +1,183 @@
+"""The rotary kernel that also stores K and V into the paged pool, against the rotary then the store kernel.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors, and the engine runs the CUDA path's
+layer code there with MINISGL_KERNELS=triton. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+pytest.importorskip("triton")
+
+from tiny import random_prompts  # noqa: E402
+
+from minisgl.attention.base import KVDestination  # noqa: E402
+from minisgl.attention.triton_backend import TritonAttnBackend  # noqa: E402
+from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.env import ENV  # noqa: E402
+from minisgl.kernel import use_triton  # noqa: E402
+from minisgl.kernel.rotary import apply_rotary  # noqa: E402
+from minisgl.kernel.store import store_kv  # noqa: E402
+from minisgl.kvcache.mha_pool import FP8_DTYPE  # noqa: E402
+from minisgl.layers.moe import MoeExperts  # noqa: E402
+from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
+from minisgl.moe.triton_backend import TritonMoeBackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+HQ, HK, D = 4, 2, 16
+
+
+def _slots(lens: list[int], page_size: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """The slots of each request's new tokens (after a random part of its first page, as after a cached
+    prefix) on shuffled pages, and the number of pages."""
+    offsets = [int(torch.randint(page_size, (1,), generator=g)) for _ in lens]
+    counts = [-(-(o + n) // page_size) for o, n in zip(offsets, lens)]
+    num_pages = sum(counts) + 2
+    pages = torch.randperm(num_pages, generator=g)
+    out, used = [], 0
+    for o, n, c in zip(offsets, lens, counts):
+        span = pages[used : used + c]
+        used += c
+        out.append((span[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[o : o + n])
+    return torch.cat(out), num_pages
+
+
+# (model dtype, pool dtype): the pool may store the model's dtype or FP8
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, FP8_DTYPE),
+    (torch.float32, FP8_DTYPE),
+]
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [[13, 5], [1, 1, 1]], ids=["prefill", "decode"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_kernel_stores_the_bytes_the_store_kernel_stores(
+    dtype: torch.dtype, pool_dtype: torch.dtype, page_size: int, lens: list[int], qk_norm: bool
+) -> None:
+    g = torch.Generator().manual_seed(len(lens) * 7 + page_size)
+    t = sum(lens)
+    # magnitudes up to 1e3, so an FP8 pool at these scales clamps some values at ±448
+    qkv = (torch.randn(t, (HQ + 2 * HK) * D, generator=g) * torch.logspace(-3, 3, t)[:, None]).to(dtype)
+    pos = torch.randint(0, 64, (t,), generator=g)
+    rope = RotaryEmbedding(D, 64, 10000.0, None)
+    norms = None
+    if qk_norm:
+        qw, kw = torch.randn(D, generator=g).to(dtype), torch.randn(D, generator=g).to(dtype)
+        norms = (qw.to(DEVICE), kw.to(DEVICE), 1e-6)
+    loc, num_pages = _slots(lens, page_size, g)
+    loc = loc.to(DEVICE)
+    scales = (torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE))
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = qkv.clone().to(DEVICE)
+        q = x[:, : HQ * D].view(t, HQ, D)
+        k = x[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
+        v = x[:, (HQ + HK) * D :].view(t, HK, D)
+        # NaN bytes where nothing is written: a stray write or a missed one shows
+        k_cache = torch.full((num_pages * page_size, HK, D), float("nan"), device=DEVICE).to(pool_dtype)
+        v_cache = k_cache.clone()
+        fp8_scales = scales if pool_dtype == FP8_DTYPE else (None, None)
+        if fused:
+            dest = KVDestination(k_cache, v_cache, loc, *scales)
+            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms, v=v, dest=dest)
+        else:
+            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms)
+            store_kv(k, v, k_cache, v_cache, loc, *fp8_scales)
+        return q.cpu(), k.cpu(), k_cache.view(torch.uint8).cpu(), v_cache.view(torch.uint8).cpu()
+
+    for ours, ref in zip(run(True), run(False)):
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    k_bytes = run(True)[2]
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    nan = torch.full((int(untouched.sum()), HK, D), float("nan")).to(pool_dtype).view(torch.uint8)
+    assert torch.equal(k_bytes[untouched], nan)
+
+
+def test_rotary_kernel_refuses_a_destination_without_v() -> None:
+    q, k = torch.randn(2, HQ, D, device=DEVICE), torch.randn(2, HK, D, device=DEVICE)
+    cache = torch.zeros(4, HK, D, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    dest = KVDestination(cache, cache.clone(), torch.tensor([0, 1], device=DEVICE), one, one)
+    cos_sin = RotaryEmbedding(D, 8, 10000.0, None).cos_sin.to(DEVICE)
+    with pytest.raises(ValueError, match="needs v"):
+        apply_rotary(torch.tensor([0, 1], device=DEVICE), q, k, cos_sin, dest=dest)
+
+
+def test_rotary_kernel_refuses_an_fp8_destination_without_scales() -> None:
+    q, k = torch.randn(1, HQ, D, device=DEVICE), torch.randn(1, HK, D, device=DEVICE)
+    cache = torch.zeros(4, HK, D, dtype=FP8_DTYPE, device=DEVICE)
+    dest = KVDestination(cache, cache.clone(), torch.tensor([2], device=DEVICE), None, None)  # type: ignore[arg-type]
+    cos_sin = RotaryEmbedding(D, 8, 10000.0, None).cos_sin.to(DEVICE)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        apply_rotary(torch.tensor([0], device=DEVICE), q, k, cos_sin, v=k.clone(), dest=dest)
+
+
+# qwen3 has the q/k norm in the rotary kernel, llama not; one case stores K/V in a launch of its own; the
+# MoE model takes the Triton MoE backend too
+@pytest.mark.parametrize(
+    "variant,page_size,separate",
+    [
+        ("qwen3", 1, False),
+        ("qwen3", 16, False),
+        ("llama", 16, False),
+        ("qwen3", 16, True),
+        ("qwen3-moe", 16, False),
+    ],
+)
+def test_engine_on_the_triton_path_gives_the_greedy_tokens_of_transformers(
+    variant: str, page_size: int, separate: bool, tiny_model, hf_reference, make_llm, monkeypatch
+) -> None:
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    monkeypatch.setattr(ENV.SEPARATE_KV_STORE, "value", separate)
+    if not separate:
+
+        def separate_store(*args: object) -> None:
+            raise AssertionError("the model path should store K/V from the rotary kernel")
+
+        # the attention kernels read K/V from the pool only: right tokens show the rotary kernel wrote them
+        monkeypatch.setattr("minisgl.attention.triton_backend.store_kv", separate_store)
+    folder = tiny_model(variant)
+    prompts = random_prompts(3, seed=4, max_len=24)
+    llm = make_llm(folder, page_size=page_size, max_running_req=4, device=DEVICE.type)
+    assert isinstance(llm.engine.attn_backend, TritonAttnBackend)
+    moe = [m.backend for m in llm.engine.model.modules() if isinstance(m, MoeExperts)]
+    assert all(isinstance(b, TritonMoeBackend) for b in moe) and bool(moe) == ("moe" in variant)
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
+
+
+def test_an_unknown_kernels_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ENV.KERNELS, "value", "cuda")
+    with pytest.raises(ValueError, match="MINISGL_KERNELS='cuda' is unknown; use auto or triton"):
+        use_triton(torch.zeros(1))
+
+
+def test_engine_on_the_triton_path_reads_its_fp8_stores_as_the_torch_backend_does(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The rotary kernel's FP8 stores (with the checkpoint's per-layer scales) against the torch
+    backend's store and dequantizing reads: the same tokens, logits equal to float32 rounding."""
+    from test_fp8_kv import _with_kv_scales, greedy_run
+
+    folder = _with_kv_scales(tiny_model("qwen3"), str(tmp_path / "scaled"), [0.5, 2.0], [0.25, 1.5])
+    prompts = random_prompts(3, seed=4, max_len=24)
+    args = dict(dtype=torch.float32, device=DEVICE.type, max_running_req=4, page_size=16, cuda_graph_max_bs=0)
+    torch_run = greedy_run(folder, "fp8", prompts, 6, attention_backend="torch", **args)
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    monkeypatch.setattr("minisgl.attention.triton_backend.store_kv", None)  # a separate store would fail
+    run = greedy_run(folder, "fp8", prompts, 6, attention_backend="triton", **args)
+    assert run.tokens == torch_run.tokens
+    for got, want in zip(run.logits, torch_run.logits):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
