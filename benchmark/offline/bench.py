@@ -130,6 +130,7 @@ def run_hf_static(
     model_dir: str, work: Workload, dtype: torch.dtype, batch: int, args: argparse.Namespace
 ) -> Result:
     """transformers `generate` over batches of `batch` requests, left-padded; each batch runs to its longest output."""
+    from hf_static import generate_static
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -143,24 +144,8 @@ def run_hf_static(
     start = time.perf_counter()
     for b in range(0, len(order), batch):
         idx = order[b : b + batch]
-        width = max(len(work.prompts[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(idx):
-            p = work.prompts[i]
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
         new = max(work.output_lens[i] for i in idx)
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                eos_token_id=None,
-                pad_token_id=0,
-                **sample,
-            )
+        generate_static(model, [work.prompts[i] for i in idx], new, **sample)
     elapsed = time.perf_counter() - start
     name = f"transformers generate ({str(dtype).removeprefix('torch.')}, batch {batch})"
     return Result(name, elapsed, work.output_tokens)

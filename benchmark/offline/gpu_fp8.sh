@@ -7,13 +7,7 @@
 #   - greedy agreement of the two caches over the first 64 tokens, with the logit drift and margins.
 # Results go to $OUT (or ./out). Python packages the machine lacks are installed from ./.whl if present.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=.:/tmp/site PATH=/tmp/site/bin:$PATH
-fi
+source benchmark/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 200 python -m pytest -q -rfs -p no:cacheprovider tests/test_triton_kernels.py 2>&1 \
     | tee "$OUT/fp8_kernel_tests.log" | tail -4

@@ -8,13 +8,7 @@
 # `gpu_prefill.sh tests` or `gpu_prefill.sh measure` runs one half (each fits one 10-minute call).
 # Results go to $OUT (or ./out). Python packages the machine lacks are installed from ./.whl if present.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=.:/tmp/site PATH=/tmp/site/bin:$PATH
-fi
+source benchmark/gpu_env.sh
 STAGE=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$STAGE" != measure ]; then

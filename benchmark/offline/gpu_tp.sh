@@ -12,13 +12,7 @@
 #           from ./.whl), then the same run with the plain loop instead of the overlap loop
 # Results go to $OUT (or ./out). Python packages the machine lacks are installed from ./.whl if present.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=.:/tmp/site PATH=/tmp/site/bin:$PATH
-fi
+source benchmark/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 phases=${*:-tests trace dense moe}
 for phase in $phases; do

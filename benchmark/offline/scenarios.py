@@ -92,6 +92,7 @@ def minisgl_engine(spec: str, args: argparse.Namespace, streams: int, longest: i
 
 
 def transformers_engine(model_dir: str, dtype_name: str) -> Engine:
+    from hf_static import generate_static
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if dtype_name == "float32" else torch.bfloat16
@@ -99,24 +100,8 @@ def transformers_engine(model_dir: str, dtype_name: str) -> Engine:
 
     def run(prompts: list[list[int]], output_lens: list[int]) -> float:
         """One left-padded static batch; it runs to its longest output, and only the asked tokens count."""
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        new = max(output_lens)
         start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+        generate_static(model, prompts, max(output_lens), do_sample=False)
         return time.perf_counter() - start
 
     return Engine(f"transformers ({dtype_name})", "transformers", run, lambda: None)

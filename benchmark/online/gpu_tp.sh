@@ -24,8 +24,7 @@
 # Python packages the machine lacks are installed from ./.whl if present and put on PYTHONPATH, which
 # the servers the benchmark starts inherit.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+source benchmark/gpu_env.sh
 CPU=${CPU:-0}
 SMALL=${SMALL:-0}
 if [ "$CPU" = 1 ]; then
@@ -36,11 +35,6 @@ fi
 OFFLINE=${OFFLINE:-0}
 CONCURRENCY=${CONCURRENCY:-}
 CKPT=${CKPT:-/tmp/ckpt}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > /dev/null && export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
-fi
 if [ "$SMALL" = 1 ]; then
     DENSE_LAYERS=${DENSE_LAYERS:-16}
     MOE_LAYERS=${MOE_LAYERS:-4}
