@@ -3,8 +3,8 @@
 Int8Weight and Int4Weight run weight-only: the activations stay bf16 and the kernel widens the weights as
 it reads them, so a decode step reads a half (int8) or a quarter (int4) of the bf16 bytes. W8A8Weight
 quantizes the activations too (per row, at run time) and multiplies int8 by int8 with int32 sums
-(`torch._int_mm`), which on a CPU with integer dot products (VNNI) beats the bf16 matmul at every row
-count measured. torch's CPU kernels
+(`torch._int_mm`): on a CPU with integer dot products (VNNI) 1.1-1.4x faster than the bf16 matmul
+from 8 rows on, at the cost of a second rounding (docs/benchmarks.md, "W8A8"). torch's CPU kernels
 are fast only for bf16 activations (float32 ones are 5-30x slower, measured), so activations of any
 other dtype are cast to bf16 around the call. Where a float copy of the weight is kept as well,
 batches of more than `max_rows` rows use it: the bf16 matmul beats both kernels from about 8 rows.
