@@ -49,8 +49,12 @@ def test_w8a8_matmul_is_within_the_two_roundings_of_the_float_product(rows: int,
     # dx is one step a row, the same for every k: its terms sum |w| and |dw| along k
     dx, w_sum, dw_sum = dx.double(), w.abs().double().sum(1), dw.double().sum(1)
     bound = dx * w_sum + x.abs().double() @ dw.double().t() + dx * dw_sum
-    out_rounding = want.abs() * (2**-8 if dtype == torch.bfloat16 else 1e-6) + 1e-6
-    assert ((got.double() - want).abs() <= bound + out_rounding).all()
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - want).abs() <= bound + want.abs() * rel + 1e-6).all()
+    # tighter: the product of the two rounded operands, exact but for the output's own rounding
+    q, row_scale = quantize_rows(x.to(dtype))
+    exact = (q.double() * row_scale.double()) @ layer.dequantize().double().t()
+    assert ((got.double() - exact).abs() <= exact.abs() * rel + 1e-6).all()
     # and the bound is not loose enough to pass a weight-only product: the activations are rounded
     weight_only = F.linear(x.double(), layer.dequantize().double())
     assert not torch.allclose(got.double(), weight_only, atol=1e-4, rtol=0)
