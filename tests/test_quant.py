@@ -180,7 +180,7 @@ def test_quantization_gguf_on_a_folder_says_to_use_int8(tiny_model) -> None:
 @pytest.mark.parametrize("value", ["int4", "fp8", "INT8", ""])
 def test_an_unknown_quantization_is_refused_naming_the_choices(tiny_model, value: str) -> None:
     with pytest.raises(
-        ValueError, match=f"quantization={value!r} is not supported; use one of auto, none, int8, gguf"
+        ValueError, match=f"quantization={value!r} is not supported; use one of auto, none, int8, w8a8, gguf"
     ):
         LLM(tiny_model("llama"), dtype="float32", quantization=value)
 

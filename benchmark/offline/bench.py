@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument(
         "--formats",
         default="auto",
-        help="scenarios: minisgl weight formats, comma separated: a quantization (auto, none, int8, gguf), "
+        help="scenarios: minisgl weight formats, comma separated: a quantization (auto, none, int8, w8a8, gguf), "
         "optionally @FILE for another model file, e.g. none,int8,gguf,gguf@model.Q4_K.gguf",
     )
     p.add_argument(

@@ -4,8 +4,10 @@
 
 For each number of rows M: the time of the 30 layers' q|k|v, o, gate|up and down projections plus the
 LM head (the whole weight a step reads), with bf16 activations against bf16 weights (minisgl's
-`linear`: the C kernel for 1-2 rows, oneDNN above), float32 against float32, and the packed int8 and
-int4 weights (torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`). Best of 5 repeats.
+`linear`: the C kernel for 1-2 rows, oneDNN above), float32 against float32, the packed int8 and
+int4 weights (torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`), and w8a8: the int8 weights
+times the activations quantized to int8 per row (`torch._int_mm`, the quantize and rescale included),
+with the LM head once as int8 weight-only (the engine's choice) and once as W8A8. Best of 5 repeats.
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ def best_us(fn: Callable[[], object], iters: int = 20) -> float:
     return best * 1e6
 
 
-def layer_us(x: torch.Tensor, w: torch.Tensor, packed: tuple[object, object]) -> dict[str, float]:
+FORMATS = ("float32", "bf16", "int8", "int4", "w8a8")
+
+
+def layer_us(x: torch.Tensor, w: torch.Tensor, packed: tuple[object, object, object]) -> dict[str, float]:
     from minisgl.layers.linear import linear
 
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    i8, i4 = packed
+    i8, i4, w8a8 = packed
+    # the formats interleaved a layer at a time, so a change of load moves them alike
     return {
         "float32": best_us(lambda: F.linear(x, w)),
         "bf16": best_us(lambda: linear(xb, wb)),
         "int8": best_us(lambda: i8.matmul(xb)),  # type: ignore[attr-defined]
         "int4": best_us(lambda: i4.matmul(xb)),  # type: ignore[attr-defined]
+        "w8a8": best_us(lambda: w8a8.matmul(xb)),  # type: ignore[attr-defined]
     }
 
 
@@ -63,25 +70,35 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from minisgl.layers.quant import Int4Weight, Int8Weight
+    from minisgl.layers.quant import Int4Weight, Int8Weight, W8A8Weight
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(n, k, generator=gen) * 0.02 for name, (n, k) in SHAPES.items()}
-    packed = {name: (Int8Weight.from_float(w), Int4Weight.from_float(w)) for name, w in weights.items()}
+    packed = {
+        name: (Int8Weight.from_float(w), Int4Weight.from_float(w), W8A8Weight.from_float(w))
+        for name, w in weights.items()
+    }
     print(f"threads {torch.get_num_threads()}; ms per decode step (30 layers + LM head)")
-    print("| rows | float32 | bf16 | int8 | int4 | per layer (us, bf16 / int8 / int4) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| rows | float32 | bf16 | int8 | int4 | w8a8 (int8 head) | w8a8 (W8A8 head) "
+        "| per layer (us, bf16 / int8 / int4 / w8a8) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for m in [int(r) for r in args.rows.split(",")]:
-        total = {"float32": 0.0, "bf16": 0.0, "int8": 0.0, "int4": 0.0}
+        total = dict.fromkeys(FORMATS, 0.0)
+        head: dict[str, float] = {}
         detail = []
         for name, w in weights.items():
             us = layer_us(torch.randn(m, w.shape[1], generator=gen), w, packed[name])
             times = 1 if name == "lm_head" else LAYERS
             for key, value in us.items():
                 total[key] += value * times / 1000
-            detail.append(f"{name} {us['bf16']:.0f}/{us['int8']:.0f}/{us['int4']:.0f}")
-        cells = " | ".join(f"{total[k]:.2f}" for k in ("float32", "bf16", "int8", "int4"))
-        print(f"| {m} | {cells} | {', '.join(detail)} |", flush=True)
+            if name == "lm_head":
+                head = us
+            detail.append("/".join(f"{us[k]:.0f}" for k in ("bf16", "int8", "int4", "w8a8")) + f" {name}")
+        int8_head = total["w8a8"] + (head["int8"] - head["w8a8"]) / 1000
+        cells = " | ".join(f"{total[k]:.2f}" for k in FORMATS[:4])
+        print(f"| {m} | {cells} | {int8_head:.2f} | {total['w8a8']:.2f} | {', '.join(detail)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ on a CPU with bf16 units); agreement is counted against the float run at float32
 activations of the packed runs): the share of the 32 positions that match, and the mean length of the
 common prefix. Perplexity is over a fixed English text
 (benchmark/data/plain_english.txt): transformers' float32 model with each format's effective weights
-(what the packed kernels multiply by, read back from them), so it isolates the weights' error.
+(what the packed kernels multiply by, read back from them), so it isolates the weights' error; for
+w8a8 layers each linear layer's input is also rounded as the engine rounds it (int8 per token,
+`minisgl.layers.quant.quantize_rows`), so the figure includes the activations' error. The w8a8 rows run
+twice: the LM head int8 weight-only (the engine's choice) and W8A8 like the other layers.
 """
 
 from __future__ import annotations
@@ -90,29 +93,45 @@ def requantize_gguf(src: str, dst: str, qtype_name: str) -> str:
     return dst
 
 
-def effective_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> float32 weights of every linear layer, as minisgl multiplies by them."""
+def effective_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Hugging Face names -> float32 weights of every linear layer, as minisgl multiplies by them; and
+    the names of the layers (without ".weight") whose activations minisgl quantizes to int8."""
     from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
+    from minisgl.layers.quant import W8A8Weight
 
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     out: dict[str, torch.Tensor] = {}
+    quantized_inputs: set[str] = set()
     for name, m in model.named_modules():
         if not isinstance(m, QuantizableLinear):
             continue
         w = m.qweight.dequantize() if m.qweight is not None else m.weight.float()
+        pieces = {f"{name}.weight": w}
         if isinstance(m, LinearColParallelMerged):
             parent, _, leaf = name.rpartition(".")
-            for sub, piece in zip(parts[leaf], w.split(m.local_sizes)):
-                out[f"{parent}.{sub}.weight"] = piece
-        else:
-            out[f"{name}.weight"] = w
-    return out
+            pieces = {f"{parent}.{sub}.weight": p for sub, p in zip(parts[leaf], w.split(m.local_sizes))}
+        out |= pieces
+        if isinstance(m.qweight, W8A8Weight):
+            quantized_inputs |= {k.removesuffix(".weight") for k in pieces}
+    return out, quantized_inputs
 
 
-def perplexity(folder: str, weights: dict[str, torch.Tensor], ids: list[int]) -> float:
+def perplexity(
+    folder: str, weights: dict[str, torch.Tensor], quantized_inputs: set[str], ids: list[int]
+) -> float:
     from transformers import AutoModelForCausalLM
 
+    from minisgl.layers.quant import quantize_rows
+
+    def round_input(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).reshape(x.shape), *args[1:])
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if name in quantized_inputs:
+            module.register_forward_pre_hook(round_input)
     if model.config.tie_word_embeddings:
         # the tied head's packed copy is what scores tokens; the embedding lookup reads the float table
         model.config.tie_word_embeddings = False
@@ -132,9 +151,16 @@ def main() -> None:
     p.add_argument("--out-dir", default=os.path.expanduser("~/.cache/minisgl/quant-quality"))
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated quantization values to run beside the two float references, of "
+        "none, int8, w8a8, w8a8+head, gguf (the GGUF rows) (default: all)",
+    )
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
     from minisgl import LLM, SamplingParams
+    from minisgl.models import quantize
     from minisgl.models.gguf import default_model_path
     from minisgl.utils.hf import chat_template_ids, load_tokenizer
 
@@ -150,18 +176,25 @@ def main() -> None:
         ("float32 (reference)", src, "float32", "none"),
         ("bf16 weights", src, "bfloat16", "none"),
         ("int8 per channel", src, "bfloat16", "int8"),
+        ("w8a8 (int8 LM head)", src, "bfloat16", "w8a8"),
+        ("w8a8, W8A8 LM head", src, "bfloat16", "w8a8+head"),
         (f"{src_type} packed", src, "bfloat16", "gguf"),
         *[(f"{q} packed", path, "bfloat16", "gguf") for q, path in made.items()],
     ]
+    if args.only is not None:
+        keep = set(args.only.split(","))
+        runs = runs[:2] + [r for r in runs[2:] if r[3] in keep]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     results = []
     refs: list[list[list[int]]] = []
     for label, path, dtype, quant in runs:
         start = time.perf_counter()
-        llm = LLM(path, dtype=dtype, quantization=quant, max_running_req=len(PROMPTS))
+        # the engine's w8a8 keeps the LM head int8 weight-only; "+head" measures the alternative
+        quantize.W8A8_HEAD = quant.endswith("+head")
+        llm = LLM(path, dtype=dtype, quantization=quant.removesuffix("+head"), max_running_req=len(PROMPTS))
         prompts = [chat_template_ids(llm.tokenizer, [{"role": "user", "content": t}]) for t in PROMPTS]
         outs = [o["token_ids"] for o in llm.generate(prompts, params)]
-        weights = effective_weights(llm.engine.model)
+        weights, quantized_inputs = effective_weights(llm.engine.model)
         folder = llm.engine.model_dir
         llm.shutdown()
         if len(refs) < 2:
@@ -171,7 +204,7 @@ def main() -> None:
         row = {
             "format": label,
             "file": os.path.basename(path),
-            "perplexity": perplexity(folder, weights, ids),
+            "perplexity": perplexity(folder, weights, quantized_inputs, ids),
         }
         row["text_tokens"] = len(ids)
         for key, ref in zip(("float32", "bf16"), refs):

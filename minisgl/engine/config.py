@@ -14,7 +14,7 @@ class EngineConfig:
     model_path: str | None = None  # a Hugging Face folder or a .gguf file; None is the embedded default model
     tp_info: DistributedInfo = field(default_factory=lambda: DistributedInfo(0, 1))
     dtype: torch.dtype | None = None  # None: bf16 on CUDA; on a CPU the faster of bf16 and float32 (timed)
-    # weight-only quantization (CPU): None/"auto", "none", "int8" or "gguf"; see minisgl/models/quantize.py
+    # quantization (CPU): None/"auto", "none", "int8", "w8a8" or "gguf"; see minisgl/models/quantize.py
     quantization: str | None = None
     # the KV pool's dtype: "auto"/None (the model's), "bf16"/"bfloat16", "fp8"/"fp8_e4m3" (minisgl/utils/kv_cache_dtype.py),
     # or a torch dtype; validate() turns a name into the torch dtype

@@ -1,7 +1,10 @@
 """Weights kept quantized on the CPU: int8 per output channel and int4 in groups of 32, with torch's kernels.
 
-Both formats run weight-only: the activations stay bf16 and the kernel widens the weights as it reads
-them, so a decode step reads a half (int8) or a quarter (int4) of the bf16 bytes. torch's CPU kernels
+Int8Weight and Int4Weight run weight-only: the activations stay bf16 and the kernel widens the weights as
+it reads them, so a decode step reads a half (int8) or a quarter (int4) of the bf16 bytes. W8A8Weight
+quantizes the activations too (per row, at run time) and multiplies int8 by int8 with int32 sums
+(`torch._int_mm`): on a CPU with integer dot products (VNNI) 1.1-1.4x faster than the bf16 matmul
+from 8 rows on, at the cost of a second rounding (docs/benchmarks.md, "W8A8"). torch's CPU kernels
 are fast only for bf16 activations (float32 ones are 5-30x slower, measured), so activations of any
 other dtype are cast to bf16 around the call. Where a float copy of the weight is kept as well,
 batches of more than `max_rows` rows use it: the bf16 matmul beats both kernels from about 8 rows.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from minisgl.kernel import cpu as cpu_kernels
 
 INT4_GROUP = 32  # the block of GGUF's Q4_0 / Q4_1 and the sub-block of Q4_K
 
@@ -107,3 +112,35 @@ class Int4Weight(QuantizedWeight):
         scale = table[..., 0].t().repeat_interleave(INT4_GROUP, dim=1)
         zero = table[..., 1].t().repeat_interleave(INT4_GROUP, dim=1)
         return (codes.float().t() - 8) * scale + zero
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: x [M, K] -> (q [M, K] int8, scale [M, 1] float32), x ~ q * scale, the
+    row's largest magnitude at 127. The reference for the C kernel that does the same in one pass."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+class W8A8Weight(Int8Weight):
+    """Int8Weight's codes and scales, multiplied by activations quantized to int8 a row (token) at a time.
+
+    y = (q_x @ q_w.T) * scale_x[m] * scale_w[n] with exact int32 sums: the only errors are the two
+    roundings to int8. An activation row with one large outlier loses precision in all its other
+    values; docs/benchmarks.md has what that costs a small model.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__(q, scale)
+        # the rescale multiplies in float32: the bf16 scale widened once here, not at every call
+        self.register_buffer("scale_f32", self.scale.float())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lib = cpu_kernels.library() if x.device.type == "cpu" else None
+        if lib is not None and x.dtype in (torch.float32, torch.bfloat16):
+            xq, row_scale = cpu_kernels.quantize_rows_int8(lib, x)
+            acc = torch._int_mm(xq, self.q.t())
+            return cpu_kernels.rescale_int32(lib, acc, row_scale, self.scale_f32, x.dtype)
+        xq, row_scale = quantize_rows(x)
+        acc = torch._int_mm(xq, self.q.t())
+        return (acc.float() * (row_scale * self.scale_f32)).to(x.dtype)

@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default="auto",
         choices=QUANTIZATIONS,
-        help="weight-only quantization on the CPU: int8 (per channel, any checkpoint), gguf (a GGUF "
+        help="quantization on the CPU: int8 (weights per channel, any checkpoint), w8a8 (the same int8 "
+        "weights times activations quantized to int8 per token), gguf (a GGUF "
         "file's own 4-bit/8-bit packing), none (float weights); auto: a GGUF file's packing beside the "
         "float weights where it measures faster (default: %(default)s)",
     )

@@ -1,14 +1,18 @@
-"""Weight-only quantization of a loaded model's linear layers (CPU): what each `quantization` value means.
+"""Quantization of a loaded model's linear layers (CPU): what each `quantization` value means.
 
 - "int8": every linear layer and the LM head as int8 with one scale per output channel, from the float
-  weights (any checkpoint).
+  weights (any checkpoint; a GGUF file's dequantized values), multiplied by bf16 activations.
+- "w8a8": the same int8 weights, multiplied by activations quantized to int8 per token at run time
+  (integer dot products, int32 sums); the LM head stays int8 weight-only (`W8A8_HEAD` says why).
 - "gguf": a GGUF file's own packing: Q4_0 / Q4_1 / Q4_K layers as int4 groups of 32 with the file's
   codes; layers of other quantized types (Q8_0, Q5_0, Q6_K, ...) and a merged layer whose parts differ
   as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
   head as int8; layers stored as F32 / F16 / BF16 stay float.
 - "none": the float weights (a GGUF file dequantized).
 - None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights, each
-  used where it measured faster (see `minisgl/layers/quant.py`); float everywhere else.
+  used where it measured faster (see `minisgl/layers/quant.py`); float everywhere else. Never w8a8:
+  faster on batches, but its greedy agreement and perplexity are outside what this default accepts
+  (docs/benchmarks.md, "W8A8").
 The embedding lookup always reads the float table: it touches one row per token.
 """
 
@@ -22,12 +26,15 @@ from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
-from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight
+from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
 
 # rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
 # on AVX512-BF16 without AMX, int4 takes 0.5x of bf16's time at 1 and 4 rows, 0.9-1.3x at 8 and 1.9x
 # at 16 (benchmark/offline/quant_matmul.py, docs/benchmarks.md)
 PACKED_MAX_ROWS = 4
+
+# whether "w8a8" quantizes the LM head's activations too, or keeps it int8 weight-only (see docs/benchmarks.md)
+W8A8_HEAD = False
 
 
 @dataclass
@@ -66,6 +73,9 @@ def _pack(
     name: str, module: QuantizableLinear, quantization: str, groups: dict[str, list[_Groups | None]]
 ) -> QuantizedWeight | None:
     assert module.weight is not None
+    if quantization == "w8a8":
+        head = isinstance(module, ParallelLMHead)
+        return (W8A8Weight if W8A8_HEAD or not head else Int8Weight).from_float(module.weight)
     if quantization == "int8" or isinstance(module, ParallelLMHead):
         # the LM head as int8: at one row it is 1.6x faster than the bf16 kernel and int4 (measured)
         return Int8Weight.from_float(module.weight)

@@ -5,7 +5,7 @@ What each one does is in minisgl/models/quantize.py.
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "gguf")
 
 
 def check_quantization(value: str | None) -> str | None:

@@ -103,6 +103,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_bf16.restype = None
     lib.rotary_bf16.argtypes = [p, p, p, p, i64, i32, i32, i32, i64, i64, i32]
     lib.rotary_bf16.restype = None
+    lib.quantize_rows_int8.argtypes = [p, i32, i64, p, p, i32, i32, i32]
+    lib.quantize_rows_int8.restype = None
+    lib.rescale_int32.argtypes = [p, p, p, p, i32, i32, i32, i32]
+    lib.rescale_int32.restype = None
 
 
 # the element types attention.c reads, by its kv_kind codes
@@ -241,3 +245,49 @@ def rotary_bf16(
         torch.get_num_threads(),
     )
     return q, k
+
+
+# the float kinds the W8A8 ends read and write, by their x_kind / y_kind codes
+_FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] float32 or bf16 (rows may be strided) -> (q [M, K] int8, scale [M, 1] float32), each
+    row symmetric with its largest magnitude at 127, as `layers.quant.quantize_rows` computes it."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8)
+    scale = torch.empty((m, 1), dtype=torch.float32)
+    lib.quantize_rows_int8(
+        x.data_ptr(),
+        _FLOAT_KINDS[x.dtype],
+        x.stride(0),
+        q.data_ptr(),
+        scale.data_ptr(),
+        m,
+        k,
+        torch.get_num_threads(),
+    )
+    return q, scale
+
+
+def rescale_int32(
+    lib: ctypes.CDLL, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """acc: [M, N] int32, row_scale: [M, 1], col_scale: [N] float32 -> acc * (row_scale * col_scale) in
+    dtype (float32 or bf16)."""
+    assert acc.dtype == torch.int32 and acc.is_contiguous() and col_scale.dtype == torch.float32
+    m, n = acc.shape
+    y = torch.empty((m, n), dtype=dtype)
+    lib.rescale_int32(
+        acc.data_ptr(),
+        row_scale.data_ptr(),
+        col_scale.data_ptr(),
+        y.data_ptr(),
+        _FLOAT_KINDS[dtype],
+        m,
+        n,
+        torch.get_num_threads(),
+    )
+    return y

@@ -80,3 +80,57 @@ void rotary_bf16(uint16_t *q, uint16_t *k, const int64_t *positions, const float
         for (int h = 0; h < Hk; ++h) rotate_head(k + t * k_stride + (int64_t)h * D, cos, sin, half);
     }
 }
+
+// The two ends of a W8A8 matmul (int8 activations times int8 weights, int32 sums, layers/quant.py):
+// quantize each row of x to int8 with its own scale, and turn the int32 sums back into floats. In
+// torch ops each end is four to six launches, about 10 us at one row against 9 us for the integer
+// matmul itself (measured, SmolLM2's 576 x 1536 layer); here each is one pass.
+
+// x: [M, K] float32 (x_kind 0) or bf16 (x_kind 1), rows ld elements apart; q: [M, K] int8;
+// scale: [M] float32 with x[m, k] ~ q[m, k] * scale[m]. Symmetric, codes in [-127, 127], the row's
+// largest magnitude mapped to 127; rounding half to even (torch.round's).
+void quantize_rows_int8(const void *x, int x_kind, int64_t ld, int8_t *q, float *scale, int M, int K,
+                        int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 1)
+    for (int m = 0; m < M; ++m) {
+        float row[K];
+        if (x_kind == 1) {
+            const uint16_t *xm = (const uint16_t *)x + (int64_t)m * ld;
+            for (int k = 0; k < K; ++k) row[k] = bf2f(xm[k]);
+        } else {
+            memcpy(row, (const float *)x + (int64_t)m * ld, sizeof(float) * K);
+        }
+        // comparisons, not fmaxf / fminf: those are library calls where NaNs are allowed, and do not vectorise
+        float amax = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const float a = fabsf(row[k]);
+            amax = a > amax ? a : amax;
+        }
+        const float s = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
+        int8_t *qm = q + (int64_t)m * K;
+        for (int k = 0; k < K; ++k) {
+            // rintf rounds half to even in the default mode and compiles to one instruction
+            const float r = rintf(row[k] / s);
+            qm[k] = (int8_t)(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
+        }
+        scale[m] = s;
+    }
+}
+
+// acc: [M, N] int32 -> y: [M, N] float32 (y_kind 0) or bf16 (y_kind 1), y = acc * row_scale[m] *
+// col_scale[n], the two scales multiplied first (as the torch path does).
+void rescale_int32(const int32_t *acc, const float *row_scale, const float *col_scale, void *y, int y_kind,
+                   int M, int N, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 1)
+    for (int m = 0; m < M; ++m) {
+        const int32_t *am = acc + (int64_t)m * N;
+        const float rs = row_scale[m];
+        if (y_kind == 1) {
+            uint16_t *ym = (uint16_t *)y + (int64_t)m * N;
+            for (int n = 0; n < N; ++n) ym[n] = f2bf((float)am[n] * (rs * col_scale[n]));
+        } else {
+            float *ym = (float *)y + (int64_t)m * N;
+            for (int n = 0; n < N; ++n) ym[n] = (float)am[n] * (rs * col_scale[n]);
+        }
+    }
+}

@@ -1,0 +1,137 @@
+"""W8A8 on the CPU: int8 weights times activations quantized to int8 per token, with int32 sums.
+
+The layer's only errors are the two roundings to int8: per element, half a step of the activation row's
+scale (rowmax/254) and of the weight row's (rowmax/254, on a scale rounded to bf16). So |y - x @ w.T| is
+bounded by sum_k |dx_k| |w_k| + |x_k| |dw_k| + |dx_k| |dw_k| with those steps, plus the output's own
+rounding (bf16: 2^-8 relative). The C ends (quantize, rescale) must equal the torch ops bit for bit.
+A tiny random model's greedy tokens are compared with the float model's at a floor measured on it:
+random weights leave near-ties between logits, so a few tokens move (measured: 24 of 32 at float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gguf import hf_weights, write_tiny_gguf
+
+from minisgl.core import SamplingParams
+from minisgl.kernel import cpu as cpu_kernels
+from minisgl.layers.quant import Int8Weight, W8A8Weight, quantize_rows
+from minisgl.llm import LLM
+from minisgl.llm.cli import build_parser as generate_parser
+from minisgl.server.args import parse_args as server_args
+
+
+def weight_and_input(
+    rows: int, n: int = 96, k: int = 512, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # rows of different magnitudes, and an activation with an outlier channel, as real layers have
+    w = torch.randn(n, k, generator=gen) * torch.empty(n, 1).uniform_(0.01, 0.2, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 7] *= 20
+    return w, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_w8a8_matmul_is_within_the_two_roundings_of_the_float_product(rows: int, dtype: torch.dtype) -> None:
+    w, x = weight_and_input(rows)
+    x = x.to(dtype).float()
+    layer = W8A8Weight.from_float(w)
+    got = layer.matmul(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (rows, w.shape[0])
+    want = F.linear(x.double(), w.double())
+    dx = x.abs().amax(dim=1, keepdim=True) / 254
+    dw = (layer.dequantize() - w).abs()
+    assert (dw <= w.abs().amax(dim=1, keepdim=True) * (1 / 254 + 2**-8)).all()
+    # dx is one step a row, the same for every k: its terms sum |w| and |dw| along k
+    dx, w_sum, dw_sum = dx.double(), w.abs().double().sum(1), dw.double().sum(1)
+    bound = dx * w_sum + x.abs().double() @ dw.double().t() + dx * dw_sum
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.double() - want).abs() <= bound + want.abs() * rel + 1e-6).all()
+    # tighter: the product of the two rounded operands, exact but for the output's own rounding
+    q, row_scale = quantize_rows(x.to(dtype))
+    exact = (q.double() * row_scale.double()) @ layer.dequantize().double().t()
+    assert ((got.double() - exact).abs() <= exact.abs() * rel + 1e-6).all()
+    # and the bound is not loose enough to pass a weight-only product: the activations are rounded
+    weight_only = F.linear(x.double(), layer.dequantize().double())
+    assert not torch.allclose(got.double(), weight_only, atol=1e-4, rtol=0)
+
+
+def test_the_c_kernels_equal_the_torch_ops_bit_for_bit() -> None:
+    lib = cpu_kernels.library()
+    if lib is None:
+        pytest.skip("no C compiler here: the torch ops are the only path")
+    w, x = weight_and_input(17, n=40, k=96, seed=3)
+    x[4] = 0  # an all-zero row gets the smallest scale, not a division by zero
+    x[5, :3] = torch.tensor([0.5, -0.5, 1.5]) * (x[5].abs().max() / 127)  # halves round to even
+    layer = W8A8Weight.from_float(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        for xs in (x.to(dtype), torch.cat([x, x], dim=1).to(dtype)[:, :96]):  # contiguous and strided rows
+            q_c, s_c = cpu_kernels.quantize_rows_int8(lib, xs)
+            q_t, s_t = quantize_rows(xs)
+            assert torch.equal(q_c, q_t) and torch.equal(s_c, s_t)
+            assert q_t.abs().max() == 127 and not q_t[4].any()
+            acc = torch._int_mm(q_t, layer.q.t())
+            torch_y = (acc.float() * (s_t * layer.scale_f32)).to(dtype)
+            assert torch.equal(cpu_kernels.rescale_int32(lib, acc, s_t, layer.scale_f32, dtype), torch_y)
+            assert torch.equal(layer.matmul(xs), torch_y)
+
+
+@pytest.mark.parametrize(("dtype", "floor"), [("float32", 0.7), ("bfloat16", 0.35)])
+def test_w8a8_greedy_tokens_follow_the_float_models(tiny_model, make_llm, dtype: str, floor: float) -> None:
+    folder = tiny_model("llama")
+    prompts = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = make_llm(folder, dtype=dtype)
+    floats = [o["token_ids"] for o in reference.generate(prompts, params)]
+    reference.shutdown()
+    w8a8 = make_llm(folder, dtype=dtype, quantization="w8a8")
+    got = [o["token_ids"] for o in w8a8.generate(prompts, params)]
+    assert all(len(g) == 8 for g in got)
+    same = sum(a == b for f, g in zip(floats, got) for a, b in zip(f, g))
+    assert same >= floor * 32, (floats, got)
+    model = w8a8.engine.model
+    layer = model.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer.qweight, W8A8Weight) and layer.weight is None
+    # the LM head stays int8 weight-only (docs/benchmarks.md: its quality with W8A8 was measured)
+    assert type(model.lm_head.qweight) is Int8Weight
+
+
+def test_w8a8_from_a_gguf_file_requantizes_its_dequantized_values(tmp_path) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    weights = hf_weights("llama", tied=True, seed=3, hidden=256, ffn=256, head_dim=64)
+    quant = {f"model.layers.{i}.mlp.down_proj.weight": T.Q4_1 for i in range(2)}
+    path = str(tmp_path / "q41.gguf")
+    write_tiny_gguf(path, "llama", weights, quant)
+    floats = LLM(path, dtype="float32", quantization="none", max_running_req=2)
+    try:
+        want = floats.engine.model.model.layers[1].mlp.down_proj.weight.float().clone()
+    finally:
+        floats.shutdown()
+    llm = LLM(path, dtype="bfloat16", quantization="w8a8", max_running_req=2)
+    try:
+        qweight = llm.engine.model.model.layers[1].mlp.down_proj.qweight
+        assert isinstance(qweight, W8A8Weight)
+        step = want.abs().amax(dim=1, keepdim=True)
+        assert ((qweight.dequantize() - want).abs() <= step * (1 / 254 + 2**-8)).all()
+        out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0]["token_ids"]) == 4
+    finally:
+        llm.shutdown()
+
+
+def test_w8a8_is_a_choice_of_both_command_lines() -> None:
+    assert (
+        server_args(["--quantization", "w8a8"]).scheduler_config("ipc://a", "ipc://b").quantization == "w8a8"
+    )
+    assert generate_parser().parse_args(["--quantization", "w8a8", "hi"]).quantization == "w8a8"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_w8a8_on_a_gpu_is_refused_saying_it_runs_on_the_cpu_only(tiny_model) -> None:
+    with pytest.raises(ValueError, match="quantization='w8a8' runs on the CPU only"):
+        LLM(tiny_model("llama"), dtype="bfloat16", quantization="w8a8", device="cuda")
