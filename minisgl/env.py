@@ -69,6 +69,11 @@ class _Env:
         self.DISABLE_CPU_KERNELS = EnvVar(
             "MINISGL_DISABLE_CPU_KERNELS", False, "use torch ops instead of the C kernels built for the CPU"
         )
+        self.CPU_COMPILE = EnvVar(
+            "MINISGL_CPU_COMPILE",
+            False,
+            "compile the CPU decode step with torch.compile (inductor); its first steps compile for a while",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

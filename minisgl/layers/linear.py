@@ -27,7 +27,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         lib = cpu_kernels.library()
         if lib is not None:
-            y = cpu_kernels.linear_bf16(lib, x, weight)
+            if torch.compiler.is_compiling():
+                y = torch.ops.minisgl.cpu_linear_bf16(x, weight)
+            else:
+                y = cpu_kernels.linear_bf16(lib, x, weight)
             return y + bias if bias is not None else y
     return F.linear(x, weight, bias)
 

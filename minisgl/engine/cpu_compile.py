@@ -1,0 +1,54 @@
+"""A CPU decode step compiled with `torch.compile` (inductor): the layers' Python, casts and small ops
+turned into one generated C++ function that calls the matmuls and the attention kernel.
+
+Opt-in (`MINISGL_CPU_COMPILE=1`): the first steps of each new shape compile (tens of seconds on a
+laptop without inductor's on-disk cache). Only decode steps are compiled; prefill, whose shapes change
+every step, stays eager. The C kernels enter the graph as `torch.ops.minisgl.*` (kernel/cpu/ops.py);
+RMSNorm and rotary are left to inductor as torch ops, which it fuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.env import ENV
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class CompiledDecode:
+    """The model's forward, compiled for decode batches where the engine runs on the CPU and asks for it."""
+
+    def __init__(
+        self, forward: Callable[[], torch.Tensor], device: torch.device, attn_backend: object
+    ) -> None:
+        self.fn: Callable[[], torch.Tensor] | None = None
+        if not ENV.CPU_COMPILE:
+            return
+        from minisgl.attention.cpu_backend import CpuAttnBackend
+
+        if device.type != "cpu" or not isinstance(attn_backend, CpuAttnBackend):
+            logger.warning_rank0(
+                "MINISGL_CPU_COMPILE applies to the CPU engine with the 'cpu' attention backend "
+                f"(its C kernels); this engine runs on {device} with {type(attn_backend).__name__}: not compiled"
+            )
+            return
+        import minisgl.kernel.cpu.ops  # noqa: F401 - registers torch.ops.minisgl.*
+
+        # dynamic batch sizes: one graph serves every size above the few a layer branches on
+        self.fn = torch.compile(forward, dynamic=True, fullgraph=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.fn is not None
+
+    def can_use(self, batch: Batch) -> bool:
+        return self.fn is not None and batch.is_decode
+
+    def run(self) -> torch.Tensor:
+        assert self.fn is not None
+        return self.fn()
