@@ -132,7 +132,9 @@ class Engine:
             self.max_seq_len,
             mc.vocab_size,
         )
-        self.compiled_decode = CompiledDecode(self.model.forward, self.device, self.attn_backend)
+        self.compiled_decode = CompiledDecode(
+            self.model.forward, self.device, self.attn_backend, self.tp_info.size
+        )
         if self.device.type == "cuda":
             start = time.perf_counter()
             warm_up(self)
@@ -380,6 +382,8 @@ class Engine:
         if hasattr(self, "graph_runner"):
             self.graph_runner.destroy()
             gc.collect()
+        if hasattr(self, "compiled_decode"):
+            self.compiled_decode.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.tp_info.size > 1:
