@@ -1,7 +1,7 @@
 """The C kernels as torch operators (`torch.ops.minisgl.*`), so that `torch.compile` can trace a decode step.
 
 A ctypes call is opaque to dynamo: it would break the graph at every layer. Registered with
-`torch.library.custom_op`, each kernel is one node of the graph with a fake implementation that gives
+`torch.library`, each kernel is one node of the graph with a fake implementation that gives
 its output's shape. Eager code keeps calling the ctypes wrappers directly: the dispatcher adds some
 microseconds a call that only a compiled step wins back.
 """
@@ -21,7 +21,17 @@ def _lib():  # noqa: ANN202 - the ctypes library, built where the op runs
     return lib
 
 
-@torch.library.custom_op("minisgl::cpu_decode_attention", mutates_args=("k_buffer", "v_buffer"))
+# Defined through torch.library.Library, not custom_op: custom_op's Python wrapper cost ~50 us a call
+# here, as much as the kernel; a plain CPU implementation is dispatched in a few.
+_LIB = torch.library.Library("minisgl", "DEF")
+_LIB.define(
+    "cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_buffer, Tensor(b!) v_buffer, "
+    "int layer_id, Tensor out_loc, Tensor page_table, Tensor rows, Tensor lens, float scale, "
+    "float k_scale, float v_scale) -> Tensor"
+)
+_LIB.define("cpu_linear_bf16(Tensor x, Tensor weight) -> Tensor")
+
+
 def cpu_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,17 +59,20 @@ def cpu_decode_attention(
     )
 
 
-@cpu_decode_attention.register_fake
-def _(q, k, v, k_buffer, v_buffer, layer_id, out_loc, page_table, rows, lens, scale, k_scale, v_scale):  # noqa: ANN001, ANN202
-    return torch.empty(q.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("minisgl::cpu_linear_bf16", mutates_args=())
 def cpu_linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight.T for bf16 weight [N, K] and M <= 8 rows (linear.c), in x's dtype."""
     return cpu_kernels.linear_bf16(_lib(), x, weight)
 
 
-@cpu_linear_bf16.register_fake
+_LIB.impl("cpu_decode_attention", cpu_decode_attention, "CPU")
+_LIB.impl("cpu_linear_bf16", cpu_linear_bf16, "CPU")
+
+
+@torch.library.register_fake("minisgl::cpu_decode_attention", lib=_LIB)
+def _(q, k, v, k_buffer, v_buffer, layer_id, out_loc, page_table, rows, lens, scale, k_scale, v_scale):  # noqa: ANN001, ANN202
+    return torch.empty(q.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("minisgl::cpu_linear_bf16", lib=_LIB)
 def _(x, weight):  # noqa: ANN001, ANN202
     return x.new_empty((x.shape[0], weight.shape[0]))
