@@ -25,12 +25,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.shape[1] % 16 == 0
         and weight.is_contiguous()
     ):
+        if torch.compiler.is_compiling():
+            # a compiled step runs only where the kernels were built (engine/cpu_compile.py)
+            y = torch.ops.minisgl.cpu_linear_bf16(x, weight)
+            return y + bias if bias is not None else y
         lib = cpu_kernels.library()
         if lib is not None:
-            if torch.compiler.is_compiling():
-                y = torch.ops.minisgl.cpu_linear_bf16(x, weight)
-            else:
-                y = cpu_kernels.linear_bf16(lib, x, weight)
+            y = cpu_kernels.linear_bf16(lib, x, weight)
             return y + bias if bias is not None else y
     return F.linear(x, weight, bias)
 
