@@ -88,6 +88,17 @@ def test_bf16_compiled_greedy_tokens_equal_eager(
     assert compiled == eager
 
 
+def test_an_fp8_kv_cache_compiled_gives_the_eager_tokens(
+    compiled_steps: list[int], tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    """The attention op stores K/V through the pool's one store, scaled into e4m3 as eager stores them."""
+    folder = tiny_model("llama")
+    compiled = _generate(make_llm(folder, kv_cache_dtype="fp8_e4m3", max_running_req=3))
+    assert len(compiled_steps) > 0
+    ENV.CPU_COMPILE.value = False
+    assert compiled == _generate(make_llm(folder, kv_cache_dtype="fp8_e4m3", max_running_req=3))
+
+
 def test_an_engine_without_the_c_attention_stays_eager(
     compiled_steps: list[int], tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
 ) -> None:
