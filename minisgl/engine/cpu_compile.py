@@ -1,5 +1,5 @@
 """A CPU decode step compiled with `torch.compile` (inductor): the layers' Python, casts and small ops
-turned into one generated C++ function that calls the matmuls and the attention kernel.
+turned into inductor's generated code, fused C++ loops between the matmuls and the attention kernel.
 
 Opt-in (`MINISGL_CPU_COMPILE=1`): it gained at most 5% a step on the default model while a process paid
 95 s to compile with inductor's on-disk cache cold and 34 s with it warm (docs/benchmarks.md, "The CPU

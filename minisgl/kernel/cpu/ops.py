@@ -8,13 +8,16 @@ microseconds a call that only a compiled step wins back.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kvcache.mha_pool import write_kv
 
 
-def _lib():  # noqa: ANN202 - the ctypes library, built where the op runs
+def _lib() -> ctypes.CDLL:
+    """The compiled C kernels; a compiled step is only built where they exist (engine/cpu_compile.py)."""
     lib = cpu_kernels.library()
     if lib is None:
         raise RuntimeError("the CPU kernels could not be built here; a compiled step needs them")
