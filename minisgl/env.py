@@ -81,6 +81,11 @@ class _Env:
             False,
             "store K/V in a launch of their own instead of from the rotary kernel (to measure that fusion)",
         )
+        self.CPU_COMPILE = EnvVar(
+            "MINISGL_CPU_COMPILE",
+            False,
+            "compile the CPU decode step with torch.compile (inductor); its first steps compile for a while",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

@@ -53,18 +53,37 @@ class CpuAttnBackend(TorchAttnBackend):
         if not batch.is_decode:
             return super().forward(q, k, v, layer_id, batch, kv_stored)
         meta: CpuDecodeMetadata = batch.attn_metadata
+        kv = self.kv_cache
+        if torch.compiler.is_compiling():
+            # a compiled step (engine/cpu_compile.py): the store and the kernel as one traceable op
+            out = torch.ops.minisgl.cpu_decode_attention(
+                q,
+                k,
+                v,
+                kv.k_buffer,
+                kv.v_buffer,
+                layer_id,
+                batch.out_loc,
+                self.page_table,
+                meta.rows,
+                meta.seq_lens,
+                self.scale,
+                kv.k_scales[layer_id],
+                kv.v_scales[layer_id],
+            )
+            return out.to(q.dtype)
         if not kv_stored:
-            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+            kv.store_kv(k, v, batch.out_loc, layer_id)
         out = decode_attention(
             self.lib,
             q,
-            self.kv_cache.k_cache(layer_id),
-            self.kv_cache.v_cache(layer_id),
+            kv.k_cache(layer_id),
+            kv.v_cache(layer_id),
             self.page_table,
             meta.rows,
             meta.seq_lens,
             self.scale,
-            self.kv_cache.k_scales[layer_id],
-            self.kv_cache.v_scales[layer_id],
+            kv.k_scales[layer_id],
+            kv.v_scales[layer_id],
         )
         return out.to(q.dtype)

@@ -14,6 +14,7 @@ from minisgl.attention import create_attn_backend
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.cpu_compile import CompiledDecode
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.prepare import (
     ForwardInput,
@@ -130,6 +131,9 @@ class Engine:
             config.max_running_req,
             self.max_seq_len,
             mc.vocab_size,
+        )
+        self.compiled_decode = CompiledDecode(
+            self.model.forward, self.device, self.attn_backend, self.tp_info.size
         )
         if self.device.type == "cuda":
             start = time.perf_counter()
@@ -339,6 +343,8 @@ class Engine:
             if self.graph_runner.can_use(batch):
                 # the graph's output buffer: the next replay overwrites it, after this step's sampling in stream order
                 return self.graph_runner.replay(batch)
+            if self.compiled_decode.can_use(batch):
+                return self.compiled_decode.run()
             return self.model.forward()
 
     @torch.inference_mode()
@@ -376,11 +382,22 @@ class Engine:
         if hasattr(self, "graph_runner"):
             self.graph_runner.destroy()
             gc.collect()
+        if hasattr(self, "compiled_decode"):
+            self.compiled_decode.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.tp_info.size > 1:
             _destroy_process_group()
-        for name in ("model", "kv_cache", "page_table", "token_pool", "attn_backend", "ctx", "graph_runner"):
+        for name in (
+            "model",
+            "kv_cache",
+            "page_table",
+            "token_pool",
+            "attn_backend",
+            "ctx",
+            "graph_runner",
+            "compiled_decode",
+        ):
             if hasattr(self, name):
                 delattr(self, name)
         gc.collect()

@@ -30,6 +30,25 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def write_kv(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_loc: torch.Tensor,
+    k_scale: torch.Tensor | float,
+    v_scale: torch.Tensor | float,
+) -> None:
+    """Write K/V rows at the token slots out_loc of one layer's buffers, cast (for FP8, scaled) to their dtype."""
+    if k_buf.dtype == FP8_DTYPE:
+        # index_copy_ has no float8 kernel on the CPU: the bytes are copied as bytes
+        k_buf.view(torch.uint8).index_copy_(0, out_loc, quantize_fp8(k, k_scale).view(torch.uint8))
+        v_buf.view(torch.uint8).index_copy_(0, out_loc, quantize_fp8(v, v_scale).view(torch.uint8))
+        return
+    k_buf.index_copy_(0, out_loc, k.to(k_buf.dtype))
+    v_buf.index_copy_(0, out_loc, v.to(v_buf.dtype))
+
+
 class MHAKVCache:
     def __init__(
         self,
@@ -82,15 +101,8 @@ class MHAKVCache:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         """Write this step's K/V rows at out_loc, cast (and, for FP8, scaled) to the pool's dtype."""
-        k_buf, v_buf = self.k_buffer[layer_id], self.v_buffer[layer_id]
-        if self.is_fp8:
-            k_scale, v_scale = self.scales(layer_id)
-            # index_copy_ has no float8 kernel on the CPU: the bytes are copied as bytes
-            k_buf.view(torch.uint8).index_copy_(0, out_loc, quantize_fp8(k, k_scale).view(torch.uint8))
-            v_buf.view(torch.uint8).index_copy_(0, out_loc, quantize_fp8(v, v_scale).view(torch.uint8))
-            return
-        k_buf.index_copy_(0, out_loc, k.to(self.dtype))
-        v_buf.index_copy_(0, out_loc, v.to(self.dtype))
+        k_scale, v_scale = self.scales(layer_id) if self.is_fp8 else (1.0, 1.0)
+        write_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], k, v, out_loc, k_scale, v_scale)
 
     def read_kv(
         self, layer_id: int, index: torch.Tensor, dtype: torch.dtype

@@ -175,12 +175,19 @@ def linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torc
 
 
 def elementwise_lib(x: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernels for the small ops of a layer (elementwise.c) where they serve `x`: bf16 on the CPU.
+    """The kernels for the small ops of a layer (elementwise.c) where they serve `x`: bf16 on the CPU,
+    outside a compiled step.
 
     float32 keeps the torch ops, the reference the tests compare with transformers; MINISGL_KERNELS=triton
     runs the CUDA path's code, which has no C kernels.
     """
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or triton_everywhere():
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or triton_everywhere()
+        or torch.compiler.is_compiling()
+    ):
+        # a compiled step leaves these ops to inductor, which fuses them into its own loops
         return None
     return library()
 
