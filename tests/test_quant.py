@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 from test_gguf import hf_weights, write_tiny_gguf
+from tiny import float_and_quantized_tokens
 
 from minisgl.core import SamplingParams
 from minisgl.layers.linear import LinearReplicated
@@ -156,14 +157,7 @@ def test_a_mixed_gguf_model_loads_each_layer_packed_as_the_file_says(tmp_path) -
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int8_greedy_tokens_match_the_float_models(tiny_model, make_llm, dtype: str) -> None:
-    folder = tiny_model("llama")
-    prompts = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = make_llm(folder, dtype=dtype)
-    floats = [o["token_ids"] for o in reference.generate(prompts, params)]
-    reference.shutdown()
-    int8 = make_llm(folder, dtype=dtype, quantization="int8")
-    packed = [o["token_ids"] for o in int8.generate(prompts, params)]
+    floats, packed, int8 = float_and_quantized_tokens(make_llm, tiny_model("llama"), dtype, "int8")
     assert all(len(p) == 8 for p in packed)
     first = [p[:2] for p in packed] == [f[:2] for f in floats]
     same = sum(x == y for a, b in zip(floats, packed) for x, y in zip(a, b))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_gguf import hf_weights, write_tiny_gguf
+from tiny import float_and_quantized_tokens
 
 from minisgl.core import SamplingParams
 from minisgl.kernel import cpu as cpu_kernels
@@ -82,14 +83,7 @@ def test_the_c_kernels_equal_the_torch_ops_bit_for_bit() -> None:
 
 @pytest.mark.parametrize(("dtype", "floor"), [("float32", 0.7), ("bfloat16", 0.35)])
 def test_w8a8_greedy_tokens_follow_the_float_models(tiny_model, make_llm, dtype: str, floor: float) -> None:
-    folder = tiny_model("llama")
-    prompts = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = make_llm(folder, dtype=dtype)
-    floats = [o["token_ids"] for o in reference.generate(prompts, params)]
-    reference.shutdown()
-    w8a8 = make_llm(folder, dtype=dtype, quantization="w8a8")
-    got = [o["token_ids"] for o in w8a8.generate(prompts, params)]
+    floats, got, w8a8 = float_and_quantized_tokens(make_llm, tiny_model("llama"), dtype, "w8a8")
     assert all(len(g) == 8 for g in got)
     same = sum(a == b for f, g in zip(floats, got) for a, b in zip(f, g))
     assert same >= floor * 32, (floats, got)

@@ -162,3 +162,20 @@ def assert_nothing_held(llm: LLM) -> None:
     """After a generate call every table row is free again and every KV page is free or cached."""
     assert llm.table_manager.available_size == llm.table_manager.max_running_req
     llm.check_integrity()
+
+
+QUANT_PROMPTS = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
+
+
+def float_and_quantized_tokens(
+    make_llm: Any, folder: str, dtype: str, quantization: str
+) -> tuple[list[list[int]], list[list[int]], LLM]:
+    """8 greedy tokens of each of QUANT_PROMPTS from the float model, then from the quantized one (returned)."""
+    from minisgl.core import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = make_llm(folder, dtype=dtype)
+    floats = [o["token_ids"] for o in reference.generate(QUANT_PROMPTS, params)]
+    reference.shutdown()
+    quantized = make_llm(folder, dtype=dtype, quantization=quantization)
+    return floats, [o["token_ids"] for o in quantized.generate(QUANT_PROMPTS, params)], quantized
