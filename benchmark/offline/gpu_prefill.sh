@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # K/V stored by the rotary kernel on one GPU, in one call of a few minutes:
 #   - the fused kernel's tests against the rotary then the store kernel, the Triton kernels' tests,
-#     and the CUDA engine tests (greedy tokens against transformers, graphs, page sizes, FP8);
+#     and every CUDA engine test (greedy tokens against transformers, graphs, page sizes, FP8, sampling
+#     without host syncs, no compilation after the warm-up);
 #   - launches per prefill and per decode step, counted eagerly, with the fusion off then on;
 #   - the roofline's steps (decode graph replay, one 8x1024-token prefill) and the whole workload with
 #     a CUDA event pair around every step, with MINISGL_SEPARATE_KV_STORE=1 (before) and without (after).
@@ -12,10 +13,11 @@ source benchmark/gpu_env.sh
 STAGE=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "$STAGE" != measure ]; then
-timeout 240 python -m pytest -q -rfs -p no:cacheprovider tests/test_rotary_store.py tests/test_triton_kernels.py \
+timeout 180 python -m pytest -q -rfs -p no:cacheprovider tests/test_rotary_store.py tests/test_triton_kernels.py \
     2>&1 | tee "$OUT/prefill_kernel_tests.log" | tail -4
-timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_fp8_kv.py tests/test_gpu.py \
-    -k "float32_greedy or kv_stored or graphs_overlap or fp8" 2>&1 | tee "$OUT/prefill_engine_tests.log" | tail -4
+# every CUDA engine test: the fused store beside the rest (sampling without host syncs, warm-up, FP8)
+timeout 360 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_fp8_kv.py tests/test_gpu.py \
+    tests/test_gpu_sampling.py 2>&1 | tee "$OUT/prefill_engine_tests.log" | tail -6
 fi
 [ "$STAGE" = tests ] && exit 0
 python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
