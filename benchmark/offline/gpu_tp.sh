@@ -19,7 +19,7 @@ for phase in $phases; do
 case $phase in
 tests)
     DUMP_AFTER_S=60 timeout 90 python benchmark/offline/tp_smoke.py 2>&1 | tee "$OUT/tp_smoke.log" | tail -4
-    timeout 240 python -m pytest -q -rfs -p no:cacheprovider --timeout 100 tests/test_tp.py \
+    timeout 400 python -m pytest -q -rfs -p no:cacheprovider --timeout 120 tests/test_tp.py \
         2>&1 | tee "$OUT/tp_tests.log" | tail -8
     timeout 200 python -m pytest -q -rf -p no:cacheprovider --timeout 100 tests/test_gpu.py \
         tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
