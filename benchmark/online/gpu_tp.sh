@@ -11,7 +11,7 @@
 #          with LLM.generate's figure on the same requests beside each level
 #   profile (not run by default) the 0.6B shape at tp=1 under 256 streams of 1,024 tokens: py-spy
 #          records every server process (API server, tokenizer worker, scheduler) for 8 s mid-decode
-#          (collapsed stacks, idle included: profile_<pid>.txt, roles in profile_pids.txt; all in profile.tgz)
+#          (collapsed stacks a thread, idle included, in profile.tgz; read with profile_summary.py)
 # Settings (environment):
 #   TP=4                 the tensor-parallel size (default)
 #   TP=2 SMALL=1         for a 2-GPU machine: 16 dense layers, 4 MoE layers
@@ -137,7 +137,7 @@ while True:
         for pid in $server $(pgrep -P "$server"); do
             role=$(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-200)
             echo "$pid $role" >> "$OUT/profile_pids.txt"
-            py-spy record --idle --rate 250 --duration 8 --format raw -o "$OUT/profile_$pid.txt" --pid "$pid" \
+            py-spy record --idle --threads --rate 250 --duration 8 --format raw -o "$OUT/profile_$pid.txt" --pid "$pid" \
                 > /dev/null 2>&1 &
         done
         wait $load
