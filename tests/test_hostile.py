@@ -27,7 +27,9 @@ from minisgl.scheduler.check import RequestLimits
 from minisgl.utils.hf import chat_template_ids, load_tokenizer
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, ipc_addr
 
-READ_TIMEOUT_S = 2
+# long enough for six 1 MB bodies sent at once to arrive on a loaded 2-core machine (2 s was not);
+# the slow-client tests wait this long
+READ_TIMEOUT_S = 5
 MAX_BODY = 4 << 20  # the default --max-request-bytes
 WIDE = 2**64  # no 64-bit integer, signed or unsigned, is this large
 
