@@ -69,6 +69,12 @@ class _Env:
         self.DISABLE_CPU_KERNELS = EnvVar(
             "MINISGL_DISABLE_CPU_KERNELS", False, "use torch ops instead of the C kernels built for the CPU"
         )
+        self.CPU_INT8_ACTIVATIONS = EnvVar(
+            "MINISGL_CPU_INT8_ACTIVATIONS",
+            True,
+            "packed weights on a CPU with AVX512-VNNI multiply activations rounded to int8 in blocks of 32 "
+            "(minisgl's C kernel, llama.cpp's numbers); 0: torch's weight-only kernels, bf16 activations",
+        )
         self.KERNELS = EnvVar(
             "MINISGL_KERNELS",
             "auto",

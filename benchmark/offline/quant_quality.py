@@ -14,9 +14,10 @@ on a CPU with bf16 units); agreement is counted against the float run at float32
 activations of the packed runs): the share of the 32 positions that match, and the mean length of the
 common prefix. Perplexity is over a fixed English text
 (benchmark/data/plain_english.txt): transformers' float32 model with each format's effective weights
-(what the packed kernels multiply by, read back from them), so it isolates the weights' error; for
-w8a8 layers each linear layer's input is also rounded as the engine rounds it (int8 per token,
-`minisgl.layers.quant.quantize_rows`), so the figure includes the activations' error. The w8a8 rows run
+(what the packed kernels multiply by, read back from them), so it isolates the weights' error; where
+the engine rounds a layer's input to int8 (w8a8: per token, `minisgl.layers.quant.quantize_rows`; packed
+weights on a CPU with VNNI: blocks of 32, `minisgl.kernel.cpu.qlinear`) the hook rounds it the same
+way, so the figure includes the activations' error. The w8a8 rows run
 twice: the LM head int8 weight-only (the engine's choice) and W8A8 like the other layers.
 """
 
@@ -93,15 +94,16 @@ def requantize_gguf(src: str, dst: str, qtype_name: str) -> str:
     return dst
 
 
-def effective_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+def effective_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Hugging Face names -> float32 weights of every linear layer, as minisgl multiplies by them; and
-    the names of the layers (without ".weight") whose activations minisgl quantizes to int8."""
+    for the layers (names without ".weight") whose activations minisgl rounds to int8, how: "row" (one
+    scale a token, w8a8) or "block" (one a block of 32, the C kernel of packed weights)."""
     from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
     from minisgl.layers.quant import W8A8Weight
 
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     out: dict[str, torch.Tensor] = {}
-    quantized_inputs: set[str] = set()
+    quantized_inputs: dict[str, str] = {}
     for name, m in model.named_modules():
         if not isinstance(m, QuantizableLinear):
             continue
@@ -112,26 +114,35 @@ def effective_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], 
             pieces = {f"{parent}.{sub}.weight": p for sub, p in zip(parts[leaf], w.split(m.local_sizes))}
         out |= pieces
         if isinstance(m.qweight, W8A8Weight):
-            quantized_inputs |= {k.removesuffix(".weight") for k in pieces}
+            quantized_inputs |= {k.removesuffix(".weight"): "row" for k in pieces}
+        elif getattr(m.qweight, "pack", None) is not None:
+            quantized_inputs |= {k.removesuffix(".weight"): "block" for k in pieces}
     return out, quantized_inputs
 
 
 def perplexity(
-    folder: str, weights: dict[str, torch.Tensor], quantized_inputs: set[str], ids: list[int]
+    folder: str, weights: dict[str, torch.Tensor], quantized_inputs: dict[str, str], ids: list[int]
 ) -> float:
     from transformers import AutoModelForCausalLM
 
+    from minisgl.kernel.cpu.qlinear import BLOCK, q8_blocks_reference
     from minisgl.layers.quant import quantize_rows
 
-    def round_input(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def round_rows(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]
         q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         return ((q.float() * scale).reshape(x.shape), *args[1:])
 
+    def round_blocks(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        codes, d = q8_blocks_reference(x.reshape(-1, x.shape[-1]))
+        xq = codes.reshape(*d.shape, BLOCK) * d[..., None]
+        return (xq.reshape(x.shape).to(x.dtype), *args[1:])
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for name, module in model.named_modules():
         if name in quantized_inputs:
-            module.register_forward_pre_hook(round_input)
+            module.register_forward_pre_hook(round_rows if quantized_inputs[name] == "row" else round_blocks)
     if model.config.tie_word_embeddings:
         # the tied head's packed copy is what scores tokens; the embedding lookup reads the float table
         model.config.tie_word_embeddings = False

@@ -1,23 +1,41 @@
-"""Weights kept quantized on the CPU: int8 per output channel and int4 in groups of 32, with torch's kernels.
+"""Weights kept quantized on the CPU: int8 per output channel and int4 in groups of 32.
 
-Int8Weight and Int4Weight run weight-only: the activations stay bf16 and the kernel widens the weights as
-it reads them, so a decode step reads a half (int8) or a quarter (int4) of the bf16 bytes. W8A8Weight
-quantizes the activations too (per row, at run time) and multiplies int8 by int8 with int32 sums
-(`torch._int_mm`): on a CPU with integer dot products (VNNI) 1.1-1.4x faster than the bf16 matmul
-from 8 rows on, at the cost of a second rounding (docs/benchmarks.md, "W8A8"). torch's CPU kernels
-are fast only for bf16 activations (float32 ones are 5-30x slower, measured), so activations of any
-other dtype are cast to bf16 around the call. Where a float copy of the weight is kept as well,
-batches of more than `max_rows` rows use it: the bf16 matmul beats both kernels from about 8 rows.
+On a CPU with integer dot products (AVX512-VNNI), Int4Weight and Int8Weight run minisgl's C kernel
+(`minisgl/kernel/cpu/qlinear.c`): the activations are rounded to int8 in blocks of 32 (one scale a block,
+as llama.cpp's Q8 activations) and multiplied with int32 sums; a one-stream decode step's matmuls take
+about 0.65x of torch's int4 kernel's time (docs/benchmarks.md, "Int4 times int8"). Elsewhere they run
+torch's weight-only kernels: the activations stay bf16 and the kernel widens the weights as it reads
+them, so a decode step reads a half (int8) or a quarter (int4) of the bf16 bytes. W8A8Weight quantizes
+the activations per row (token) and multiplies with `torch._int_mm`: on a VNNI CPU 1.1-1.4x faster than
+the bf16 matmul from 8 rows on, at the cost of a coarser rounding (docs/benchmarks.md, "W8A8"). torch's
+CPU kernels are fast only for bf16 activations (float32 ones are 5-30x slower, measured), so
+activations of any other dtype are cast to bf16 around those calls. Where a float copy of the weight is
+kept as well, batches of more than `max_rows` rows use it: the bf16 matmul beats the packed kernels on
+large batches.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
+from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel import triton_everywhere
+from minisgl.kernel.cpu import qlinear
 
 INT4_GROUP = 32  # the block of GGUF's Q4_0 / Q4_1 and the sub-block of Q4_K
+
+
+def q8_kernels() -> ctypes.CDLL | None:
+    """The C library where its int8-activation kernels are the fast path (a CPU with AVX512-VNNI) and
+    MINISGL_CPU_INT8_ACTIVATIONS is on, else None: packed weights then run torch's weight-only kernels."""
+    if triton_everywhere() or not ENV.CPU_INT8_ACTIVATIONS.value:
+        return None
+    lib = cpu_kernels.library()
+    return lib if lib is not None and lib.qlinear_fast() else None
 
 
 class QuantizedWeight(nn.Module):
@@ -37,11 +55,21 @@ class QuantizedWeight(nn.Module):
 class Int8Weight(QuantizedWeight):
     """Symmetric int8 with one scale per output channel: w[n, k] = q[n, k] * scale[n]."""
 
+    # whether the C kernel (int8 activation blocks) may serve this weight; W8A8Weight keeps its own path
+    q8_activations = True
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("q", q.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16).contiguous())
+        # the scale in bf16, the type torch's kernel takes; the C kernel reads the same values widened
+        scale = scale.to(torch.bfloat16).contiguous()
+        self.pack: qlinear.I8Pack | None = None
+        if self.q8_activations and q8_kernels() is not None and self.in_features % qlinear.PAIR == 0:
+            self.pack = qlinear.pack_i8(q.to(torch.int8), scale.float())
+            self.register_buffer("q", None)
+        else:
+            self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Weight:
@@ -52,18 +80,35 @@ class Int8Weight(QuantizedWeight):
         return cls(q, scale)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.q, self.scale)
+        pack = self.pack
+        if pack is not None and x.device.type == "cpu" and x.dtype in qlinear.FLOAT_KINDS:
+            if torch.compiler.is_compiling():
+                # a compiled step runs only where the kernels were built (engine/cpu_compile.py)
+                return torch.ops.minisgl.cpu_linear_i8(x, pack.w, pack.scale)
+            # the library a pack was made for (q8_kernels() at construction): cached, no checks a call
+            lib = cpu_kernels.library()
+            assert lib is not None
+            return qlinear.linear_i8(lib, x, pack)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.codes(), self.scale)
         return y.to(x.dtype)
 
+    def codes(self) -> torch.Tensor:
+        """[N, K] int8."""
+        if self.q is not None:
+            return self.q
+        assert self.pack is not None
+        return (self.pack.w.to(torch.int16) - 128).to(torch.int8)
+
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        return self.codes().float() * self.scale.float()[:, None]
 
 
 class Int4Weight(QuantizedWeight):
     """Asymmetric int4 in groups of 32 along K: w = code * scale + offset, code in [0, 15].
 
     That is exactly GGUF's Q4_0 (offset = -8 * scale), Q4_1 and Q4_K (per 32-element sub-block), so
-    those files load with their own codes; the only change is that scale and offset are rounded to bf16.
+    those files load with their own codes; the only change is the rounding of scale and offset: to
+    float16 for the C kernel (a Q4_0 / Q4_1 file's own type: exact), to bf16 for torch's.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
@@ -73,6 +118,10 @@ class Int4Weight(QuantizedWeight):
         if k % INT4_GROUP or scale.shape != (n, k // INT4_GROUP) or offset.shape != scale.shape:
             raise ValueError(f"an int4 weight needs K a multiple of {INT4_GROUP}; got {tuple(codes.shape)}")
         self.out_features, self.in_features = n, k
+        self.pack: qlinear.Q4Pack | None = None
+        if q8_kernels() is not None and k % qlinear.PAIR == 0:
+            self.pack = qlinear.pack_q4(codes, scale, offset)
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed)
         # torch's kernel computes (code - 8) * scale + zero, so its zero is our offset + 8 * scale
@@ -91,6 +140,13 @@ class Int4Weight(QuantizedWeight):
         return cls(codes, scale, lo)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        pack = self.pack
+        if pack is not None and x.device.type == "cpu" and x.dtype in qlinear.FLOAT_KINDS:
+            if torch.compiler.is_compiling():
+                return torch.ops.minisgl.cpu_linear_q4(x, pack.qs, pack.d, pack.off)
+            lib = cpu_kernels.library()
+            assert lib is not None
+            return qlinear.linear_q4(lib, x, pack)
         if x.dtype == torch.bfloat16 and x.is_contiguous():
             # the decode step's case: no conversions to dispatch
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
@@ -100,6 +156,10 @@ class Int4Weight(QuantizedWeight):
         return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
+        if self.pack is not None:
+            codes = qlinear.unpack_q4(self.pack).float()
+            scale = self.pack.d.float().repeat_interleave(INT4_GROUP, dim=1)
+            return codes * scale + self.pack.off.float().repeat_interleave(INT4_GROUP, dim=1)
         # The codes read back through the kernel's own unpacking: an identity times the weight with
         # scale 1 and zero 8 gives each code exactly, and the bf16 path is fast where float32's is not.
         k, n = self.in_features, self.out_features
@@ -125,10 +185,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class W8A8Weight(Int8Weight):
     """Int8Weight's codes and scales, multiplied by activations quantized to int8 a row (token) at a time.
 
+    (Not by the C kernel's blocks of 32: this is the per-token scheme of GPU engines, kept to compare.)
+
     y = (q_x @ q_w.T) * scale_x[m] * scale_w[n] with exact int32 sums: the only errors are the two
     roundings to int8. An activation row with one large outlier loses precision in all its other
     values; docs/benchmarks.md has what that costs a small model.
     """
+
+    q8_activations = False
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__(q, scale)

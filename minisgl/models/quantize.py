@@ -1,7 +1,9 @@
 """Quantization of a loaded model's linear layers (CPU): what each `quantization` value means.
 
 - "int8": every linear layer and the LM head as int8 with one scale per output channel, from the float
-  weights (any checkpoint; a GGUF file's dequantized values), multiplied by bf16 activations.
+  weights (any checkpoint; a GGUF file's dequantized values). Like every packed weight here, multiplied
+  by activations rounded to int8 in blocks of 32 on a CPU with AVX512-VNNI (`minisgl/layers/quant.py`),
+  by bf16 activations elsewhere.
 - "w8a8": the same int8 weights, multiplied by activations quantized to int8 per token at run time
   (integer dot products, int32 sums); the LM head stays int8 weight-only (`W8A8_HEAD` says why).
 - "gguf": a GGUF file's own packing: Q4_0 / Q4_1 / Q4_K layers as int4 groups of 32 with the file's

@@ -24,7 +24,8 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["attention.c", "elementwise.c", "linear.c"]
+_SOURCES = ["attention.c", "elementwise.c", "linear.c", "qlinear.c"]
+_HEADERS = ["bf16.h"]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -74,7 +75,7 @@ def library() -> ctypes.CDLL | None:
     here = Path(__file__).parent
     sources = [here / name for name in _SOURCES]
     digest = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *(here / name for name in _HEADERS)]:
         digest.update(src.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(_cpu_flags().encode())
@@ -107,6 +108,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quantize_rows_int8.restype = None
     lib.rescale_int32.argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.rescale_int32.restype = None
+    lib.qlinear_fast.argtypes = []
+    lib.qlinear_fast.restype = i32
+    lib.quantize_q8_blocks.argtypes = [p, i32, i64, p, p, p, p, i32, i32, i32]
+    lib.quantize_q8_blocks.restype = None
+    lib.linear_q4.argtypes = [p, i32, i64, i32, i32, p, p, p, i32, p, i32, i32]
+    lib.linear_q4.restype = i32
+    lib.linear_i8.argtypes = [p, i32, i64, i32, i32, p, p, i32, p, i32, i32]
+    lib.linear_i8.restype = i32
 
 
 # the element types attention.c reads, by its kv_kind codes

@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from minisgl.kernel import cpu as cpu_kernels
+from minisgl.kernel.cpu import qlinear
 from minisgl.kvcache.mha_pool import write_kv
 
 
@@ -33,6 +34,8 @@ _LIB.define(
     "float k_scale, float v_scale) -> Tensor"
 )
 _LIB.define("cpu_linear_bf16(Tensor x, Tensor weight) -> Tensor")
+_LIB.define("cpu_linear_q4(Tensor x, Tensor qs, Tensor d, Tensor off) -> Tensor")
+_LIB.define("cpu_linear_i8(Tensor x, Tensor w, Tensor scale) -> Tensor")
 
 
 def cpu_decode_attention(
@@ -67,8 +70,20 @@ def cpu_linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.linear_bf16(_lib(), x, weight)
 
 
+def cpu_linear_q4(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T for an int4 weight in qlinear.c's layout, x rounded to int8 blocks (qlinear.py)."""
+    return qlinear.linear_q4(_lib(), x, qlinear.Q4Pack(qs, d, off))
+
+
+def cpu_linear_i8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """As cpu_linear_q4, for an int8 weight."""
+    return qlinear.linear_i8(_lib(), x, qlinear.I8Pack(w, scale))
+
+
 _LIB.impl("cpu_decode_attention", cpu_decode_attention, "CPU")
 _LIB.impl("cpu_linear_bf16", cpu_linear_bf16, "CPU")
+_LIB.impl("cpu_linear_q4", cpu_linear_q4, "CPU")
+_LIB.impl("cpu_linear_i8", cpu_linear_i8, "CPU")
 
 
 @torch.library.register_fake("minisgl::cpu_decode_attention", lib=_LIB)
@@ -79,3 +94,13 @@ def _(q, k, v, k_buffer, v_buffer, layer_id, out_loc, page_table, rows, lens, sc
 @torch.library.register_fake("minisgl::cpu_linear_bf16", lib=_LIB)
 def _(x, weight):  # noqa: ANN001, ANN202
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("minisgl::cpu_linear_q4", lib=_LIB)
+def _(x, qs, d, off):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], qs.shape[0]))
+
+
+@torch.library.register_fake("minisgl::cpu_linear_i8", lib=_LIB)
+def _(x, w, scale):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], w.shape[0]))
