@@ -8,6 +8,8 @@ LM head (the whole weight a step reads), with bf16 activations against bf16 weig
 int4 weights (torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`), and w8a8: the int8 weights
 times the activations quantized to int8 per row (`torch._int_mm`, the quantize and rescale included),
 with the LM head once as int8 weight-only (the engine's choice) and once as W8A8. Best of 5 repeats.
+On a CPU with AVX512-VNNI also int8 and int4 as the engine runs them there: minisgl's C kernel with the
+activations rounded to int8 in blocks of 32 (`minisgl/kernel/cpu/qlinear.c`, "q8" columns).
 """
 
 from __future__ import annotations
@@ -45,14 +47,14 @@ def best_us(fn: Callable[[], object], iters: int = 20) -> float:
     return best * 1e6
 
 
-FORMATS = ("float32", "bf16", "int8", "int4", "w8a8")
+FORMATS = ("float32", "bf16", "int8", "int4", "w8a8", "int8 q8", "int4 q8")
 
 
-def layer_us(x: torch.Tensor, w: torch.Tensor, packed: tuple[object, object, object]) -> dict[str, float]:
+def layer_us(x: torch.Tensor, w: torch.Tensor, packed: tuple[object, ...]) -> dict[str, float]:
     from minisgl.layers.linear import linear
 
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    i8, i4, w8a8 = packed
+    i8, i4, w8a8, i8q, i4q = packed
     # the formats interleaved a layer at a time, so a change of load moves them alike
     return {
         "float32": best_us(lambda: F.linear(x, w)),
@@ -60,6 +62,8 @@ def layer_us(x: torch.Tensor, w: torch.Tensor, packed: tuple[object, object, obj
         "int8": best_us(lambda: i8.matmul(xb)),  # type: ignore[attr-defined]
         "int4": best_us(lambda: i4.matmul(xb)),  # type: ignore[attr-defined]
         "w8a8": best_us(lambda: w8a8.matmul(xb)),  # type: ignore[attr-defined]
+        "int8 q8": best_us(lambda: i8q.matmul(xb)) if i8q is not None else float("nan"),  # type: ignore[attr-defined]
+        "int4 q8": best_us(lambda: i4q.matmul(xb)) if i4q is not None else float("nan"),  # type: ignore[attr-defined]
     }
 
 
@@ -70,20 +74,24 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from minisgl.layers.quant import Int4Weight, Int8Weight, W8A8Weight
+    from minisgl.env import ENV
+    from minisgl.layers.quant import Int4Weight, Int8Weight, W8A8Weight, q8_kernels
 
     gen = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(n, k, generator=gen) * 0.02 for name, (n, k) in SHAPES.items()}
-    packed = {
-        name: (Int8Weight.from_float(w), Int4Weight.from_float(w), W8A8Weight.from_float(w))
-        for name, w in weights.items()
-    }
+    fast = q8_kernels() is not None
+    packed = {}
+    for name, w in weights.items():
+        q8 = (Int8Weight.from_float(w), Int4Weight.from_float(w)) if fast else (None, None)
+        ENV.CPU_INT8_ACTIVATIONS.value = False  # torch's weight-only kernels
+        packed[name] = (Int8Weight.from_float(w), Int4Weight.from_float(w), W8A8Weight.from_float(w), *q8)
+        ENV.CPU_INT8_ACTIVATIONS.value = True
     print(f"threads {torch.get_num_threads()}; ms per decode step (30 layers + LM head)")
     print(
-        "| rows | float32 | bf16 | int8 | int4 | w8a8 (int8 head) | w8a8 (W8A8 head) "
-        "| per layer (us, bf16 / int8 / int4 / w8a8) |"
+        "| rows | float32 | bf16 | int8 | int4 | w8a8 (int8 head) | w8a8 (W8A8 head) | int8 q8 | int4 q8 (int8 q8 head) "
+        "| per layer (us, bf16 / int8 / int4 / w8a8 / int4 q8) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in [int(r) for r in args.rows.split(",")]:
         total = dict.fromkeys(FORMATS, 0.0)
         head: dict[str, float] = {}
@@ -95,10 +103,18 @@ def main() -> None:
                 total[key] += value * times / 1000
             if name == "lm_head":
                 head = us
-            detail.append("/".join(f"{us[k]:.0f}" for k in ("bf16", "int8", "int4", "w8a8")) + f" {name}")
+            detail.append(
+                "/".join(f"{us[k]:.0f}" for k in ("bf16", "int8", "int4", "w8a8", "int4 q8")) + f" {name}"
+            )
         int8_head = total["w8a8"] + (head["int8"] - head["w8a8"]) / 1000
+        # the engine packs the LM head as int8 beside int4 layers
+        int4_q8 = total["int4 q8"] + (head["int8 q8"] - head["int4 q8"]) / 1000
         cells = " | ".join(f"{total[k]:.2f}" for k in FORMATS[:4])
-        print(f"| {m} | {cells} | {int8_head:.2f} | {total['w8a8']:.2f} | {', '.join(detail)} |", flush=True)
+        print(
+            f"| {m} | {cells} | {int8_head:.2f} | {total['w8a8']:.2f} | {total['int8 q8']:.2f} | {int4_q8:.2f} "
+            f"| {', '.join(detail)} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

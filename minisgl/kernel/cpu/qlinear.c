@@ -242,6 +242,24 @@ QL_INLINE void ql_tile(const int8_t *q, const float *sx, const float *dxe, const
             QL_TILE(Q4, m0, 1, R);                                                                             \
     }
 
+// Tiles read ahead of the one computed. A layer's weights come from memory (a step reads them all once,
+// more than the caches hold); the hardware's prefetcher alone reached ~15 GB/s of the ~40 one core reads.
+#define QL_PREFETCH_TILES 8
+
+QL_INLINE void ql_prefetch(const uint8_t *w, const uint16_t *d, const uint16_t *off, int q4, int64_t n, int N, int K) {
+    if (n + 4 > N) return;
+    const int64_t row_bytes = q4 ? K / 2 : K;
+    const char *a = (const char *)(w + n * row_bytes);
+    for (int64_t i = 0; i < 4 * row_bytes; i += 64) _mm_prefetch(a + i, _MM_HINT_T0);
+    if (q4) {
+        const int64_t sb = (int64_t)4 * (K / 32) * 2;  // the four rows' scales (and offsets), in bytes
+        for (int64_t i = 0; i < sb; i += 64) {
+            _mm_prefetch((const char *)(d + n * (K / 32)) + i, _MM_HINT_T0);
+            _mm_prefetch((const char *)(off + n * (K / 32)) + i, _MM_HINT_T0);
+        }
+    }
+}
+
 // shift: [M] the sums of sx over each row's blocks (the int8 weights' correction)
 static void ql_matmul(const int8_t *q, const float *sx, const float *dxe, const float *shift, const uint8_t *w,
                       const uint16_t *d, const uint16_t *off, const float *scale, int q4, int M, int N, int K,
@@ -250,6 +268,7 @@ static void ql_matmul(const int8_t *q, const float *sx, const float *dxe, const 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n = 4 * t;
+        ql_prefetch(w, d, off, q4, n + 4 * QL_PREFETCH_TILES, N, K);
         if (q4) {
             QL_TILES(1, 4)
         } else {
@@ -315,6 +334,10 @@ static int ql_run(const void *x, int x_kind, int64_t ld, int M, int K, const uin
     float *dx = (float *)ql_scratch, *sx = dx + (size_t)M * K / 32, *dxe = sx + (size_t)M * K / 32;
     float *shift = dxe + (size_t)M * K / 64 * 16;
     int8_t *q = (int8_t *)(shift + M);
+#if QL_VNNI
+    // the first tiles' weights are on their way while the activations are rounded
+    for (int64_t t = 0; t < QL_PREFETCH_TILES; ++t) ql_prefetch(w, d, off, q4, 4 * t, N, K);
+#endif
     quantize_q8_blocks(x, x_kind, ld, q, dx, sx, dxe, M, K, num_threads);
 #if QL_VNNI
     for (int m = 0; m < M; ++m) {
