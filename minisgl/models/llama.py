@@ -16,6 +16,8 @@ from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
+from minisgl.models.cpu_decode import CpuDecodeLayers
+from minisgl.models.cpu_decode import build as build_cpu_decode
 
 
 class GatedMLP(nn.Module):
@@ -58,11 +60,29 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, self.rotary, build_mlp(config, i)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the C decode step (models/cpu_decode.py): False until the first CPU decode step decides
+        self.cpu_decode: CpuDecodeLayers | None | bool = False
+
+    def _cpu_decode(self, x: torch.Tensor) -> CpuDecodeLayers | None:
+        """The C decode step where this batch can take it: a CPU decode of at most its packed rows."""
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        batch = get_global_ctx().batch
+        if not batch.is_decode:
+            return None
+        if self.cpu_decode is False:
+            self.cpu_decode = build_cpu_decode(self, x)
+        fused = self.cpu_decode
+        return fused if isinstance(fused, CpuDecodeLayers) and x.shape[0] <= fused.max_rows else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions)
+        fused = self._cpu_decode(x)
+        if fused is not None:
+            x, residual = fused.forward(x, positions, get_global_ctx().batch)
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions)
         if residual is None:
             return self.norm(x)
         if use_triton(x):

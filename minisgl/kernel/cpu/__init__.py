@@ -24,7 +24,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ["attention.c", "elementwise.c", "linear.c", "qlinear.c"]
+_SOURCES = ["attention.c", "elementwise.c", "layer.c", "linear.c", "qlinear.c"]
 _HEADERS = ["bf16.h"]
 _FLAGS = [
     "-O3",
