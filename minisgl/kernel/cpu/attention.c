@@ -114,6 +114,19 @@ void decode_attention(const float *q, const void *k, const void *v, int kv_kind,
             }
             for (int h = 0; h < Hk; ++h) {
                 const int64_t base = ((int64_t)slots[t] * Hk + h) * D;
+                if (vec && nv <= 8) {
+                    // the head's K vectors widened once for its G queries
+                    v16f kv[8];
+                    for (int c = 0; c < nv; ++c) kv[c] = load16(k, base + 16 * c, kv_kind);
+                    for (int g = 0; g < G; ++g) {
+                        const int j = h * G + g;
+                        const float *qj = qb + (int64_t)j * D;
+                        v16f acc = *(const v16f *)qj * kv[0];
+                        for (int c = 1; c < nv; ++c) acc += *(const v16f *)(qj + 16 * c) * kv[c];
+                        scores[j * L + t] = hsum(acc) * scale;
+                    }
+                    continue;
+                }
                 for (int g = 0; g < G; ++g) {
                     const int j = h * G + g;
                     const float *qj = qb + (int64_t)j * D;
