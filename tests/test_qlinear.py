@@ -49,7 +49,9 @@ SHAPES = [(4, 64), (7, 128), (33, 192), (960, 576), (12, 1536)]
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_products_equal_the_reference_of_rounded_activations(n: int, k: int, rows: int, dtype: torch.dtype) -> None:
+def test_products_equal_the_reference_of_rounded_activations(
+    n: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
     assert LIB is not None
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
     x[0, :32] = 0  # a block of zeros: scale 0, codes 0
@@ -70,7 +72,9 @@ def test_strided_rows_are_read_in_place() -> None:
     pack, w = _q4_weight(8, 128, 3)
     wide = torch.randn(3, 256)
     got = qlinear.linear_q4(LIB, wide[:, 64:192], pack)
-    torch.testing.assert_close(got.double(), qlinear.linear_q8_reference(wide[:, 64:192], w), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        got.double(), qlinear.linear_q8_reference(wide[:, 64:192], w), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
@@ -111,7 +115,9 @@ def test_the_weights_use_the_kernel_where_it_is_the_fast_path() -> None:
         torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
 
 
-def _reference_with_rounded_inputs(folder: str, llm: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def _reference_with_rounded_inputs(
+    folder: str, llm: Any, prompts: list[list[int]], tokens: int
+) -> list[list[int]]:
     """transformers' greedy tokens with the engine's dequantized weights, every linear layer's input
     rounded to int8 blocks as the kernel rounds it."""
     from transformers import AutoModelForCausalLM
@@ -152,9 +158,13 @@ def _reference_with_rounded_inputs(folder: str, llm: Any, prompts: list[list[int
     return out
 
 
-@pytest.mark.skipif(q8_kernels() is None, reason="packed weights use torch's kernels on a CPU without AVX512-VNNI")
+@pytest.mark.skipif(
+    q8_kernels() is None, reason="packed weights use torch's kernels on a CPU without AVX512-VNNI"
+)
 @pytest.mark.parametrize("quantization", ["int8"])
-def test_a_packed_model_decodes_as_transformers_with_the_same_rounding(tmp_path, make_llm, quantization: str) -> None:
+def test_a_packed_model_decodes_as_transformers_with_the_same_rounding(
+    tmp_path, make_llm, quantization: str
+) -> None:
     # hidden 128 and MLP 192: a whole chunk of four blocks and an odd pair, in every layer's K
     folder = build_model(str(tmp_path), "llama", hidden_size=128, intermediate_size=192, head_dim=32)
     prompts = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]

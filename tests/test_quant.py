@@ -35,6 +35,7 @@ from minisgl.utils import cpu_probe
 from minisgl.utils.cpu_probe import CpuChoice
 from minisgl.utils.torch_utils import resolve_dtype
 
+
 @pytest.fixture
 def weight_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed weights with bf16 activations (torch's kernels): the tests that compare a packed model's

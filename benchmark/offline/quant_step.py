@@ -34,14 +34,16 @@ def step_ms(q8: bool, rows: list[int]) -> list[float]:
     ENV.CPU_INT8_ACTIVATIONS.value = q8
     gen = torch.Generator().manual_seed(0)
     layers = [
-        Int4Weight.from_float(torch.randn(n, k, generator=gen) * 0.02) for _ in range(LAYERS) for n, k in SHAPES
+        Int4Weight.from_float(torch.randn(n, k, generator=gen) * 0.02)
+        for _ in range(LAYERS)
+        for n, k in SHAPES
     ]
     layers.append(Int8Weight.from_float(torch.randn(*HEAD, generator=gen) * 0.02))
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
 
-        def step() -> None:
+        def step(xs: dict[int, torch.Tensor] = xs) -> None:
             for w in layers:
                 w.matmul(xs[w.in_features])
 

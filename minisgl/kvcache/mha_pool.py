@@ -8,6 +8,7 @@ in the same memory and half the bytes each decode step reads.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,8 +21,17 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value; the cast itself does not sat
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # numpy's zeros takes fresh zero pages from the OS (calloc): a large pool costs nothing until it is used
-    blob = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= 1 << 21:
+        # Fresh zero pages from the OS, as 2 MB pages: a large pool costs nothing until it is used, and a
+        # slot's first write costs one fault a 2 MB page, not one a 4 KB page (a 500-token prefill's
+        # first K/V stores took 148 ms in 4 KB faults on a VM here, 4.6 ms with 2 MB pages)
+        area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)
+        # frombuffer keeps `area` alive as long as the tensor
+        return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)
+    # numpy's zeros takes fresh zero pages from the OS (calloc)
+    blob = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
     return blob.view(dtype).view(shape)
 
 

@@ -74,7 +74,9 @@ def _weight(layer: QuantizableLinear) -> _Weight | None:
     q = layer.qweight
     if isinstance(q, Int4Weight) and q.pack is not None:
         pk = q.pack
-        return _Weight(4, q.out_features, q.in_features, pk.qs.data_ptr(), pk.d.data_ptr(), pk.off.data_ptr(), None)
+        return _Weight(
+            4, q.out_features, q.in_features, pk.qs.data_ptr(), pk.d.data_ptr(), pk.off.data_ptr(), None
+        )
     if type(q) is Int8Weight and q.pack is not None:
         pk8 = q.pack
         return _Weight(8, q.out_features, q.in_features, pk8.w.data_ptr(), None, None, pk8.scale.data_ptr())
@@ -90,7 +92,12 @@ class CpuDecodeLayers:
         self.max_rows = min(
             self._max_rows(m)
             for layer in model.layers
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
         )
         first = model.layers[0]
         attn, kv = first.self_attn, backend.kv_cache
@@ -127,7 +134,9 @@ class CpuDecodeLayers:
         # the packed weight serves batches of up to max_rows rows where the float one is kept, all without
         return m.max_rows if m.weight is not None else 1 << 30
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [M, H] bf16 embeddings -> (the last layer's output, the residual stream), as the layers give."""
         meta: CpuDecodeMetadata = batch.attn_metadata
         x = x.contiguous()
@@ -173,6 +182,8 @@ def build(model: nn.Module, x: torch.Tensor) -> CpuDecodeLayers | None:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         eps = model.layers[0].input_layernorm.eps
-        if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.eps != eps for n in norms):
+        if any(
+            n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.eps != eps for n in norms
+        ):
             return None
     return CpuDecodeLayers(model, lib, backend)

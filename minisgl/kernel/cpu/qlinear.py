@@ -49,7 +49,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Q
 
 def unpack_q4(w: Q4Pack) -> torch.Tensor:
     """The [N, K] codes of a packed weight (uint8), in K's order."""
-    n, k = w.qs.shape[0], 2 * w.qs.shape[1]
+    k = 2 * w.qs.shape[1]
     parts = []
     for start in range(0, k, 128):
         half = min(128, k - start) // 2
