@@ -66,6 +66,9 @@ class Terminal:
         cmd = [sys.executable, "-m", "minisgl", *args]
         self.pid, self.fd = pty.fork()
         if self.pid == 0:
+            # Ctrl-C as a terminal's user has it, even where this run was started with SIGINT ignored (a
+            # background job of a non-interactive shell): an ignored SIGINT would be inherited
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(cmd[0], cmd, ENV)
         # a terminal of 0 columns (a new pseudo-terminal's) would get an empty progress bar
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))

@@ -42,6 +42,8 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, **(env or {})},
+            # SIGINT as a shell's foreground command has it, even where this run ignores it (inherited)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.api_key = api_key
         self.lines: list[str] = []

@@ -124,9 +124,9 @@ class LLM(Scheduler):
 
     def send_result(self, reply: list[DetokenizeMsg]) -> None:
         for msg in reply:
-            self._progress.update(msg)
             status = self.status_map[msg.uid]
             if status.finish_reason is not None:
+                self._progress.update(msg)
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
@@ -145,6 +145,8 @@ class LLM(Scheduler):
             if step.finished:
                 status.finish_reason, status.error = step.finish_reason, msg.error
                 TRACE.point(msg.uid, "answer", step.finish_reason)
+            # the bar last: a Ctrl-C typed on seeing it count a request finds that request finished
+            self._progress.update(msg)
 
     def abort(self, uid: int) -> None:
         """Abort request `uid` of the running generate call (from a callback or another thread)."""
