@@ -25,7 +25,7 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ["attention.c", "elementwise.c", "layer.c", "linear.c", "qlinear.c"]
-_HEADERS = ["bf16.h"]
+_HEADERS = ["bf16.h", "kernels.h"]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -264,7 +264,7 @@ def rotary_bf16(
 
 
 # the float kinds the W8A8 ends read and write, by their x_kind / y_kind codes
-_FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +277,7 @@ def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor,
     scale = torch.empty((m, 1), dtype=torch.float32)
     lib.quantize_rows_int8(
         x.data_ptr(),
-        _FLOAT_KINDS[x.dtype],
+        FLOAT_KINDS[x.dtype],
         x.stride(0),
         q.data_ptr(),
         scale.data_ptr(),
@@ -301,7 +301,7 @@ def rescale_int32(
         row_scale.data_ptr(),
         col_scale.data_ptr(),
         y.data_ptr(),
-        _FLOAT_KINDS[dtype],
+        FLOAT_KINDS[dtype],
         m,
         n,
         torch.get_num_threads(),

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline float rnd(float f) { return bf2f(f2bf(f)); }
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernel.cpu import FLOAT_KINDS
+
 BLOCK = 32  # values a scale of the activations (and of an int4 weight) covers
 PAIR = 2 * BLOCK  # K must be whole pairs of blocks
-MAX_ROWS = 8  # QL_MAX_ROWS: the most rows of x one call takes
-
-FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @dataclass
@@ -99,40 +98,30 @@ def quantize_q8_blocks(lib: ctypes.CDLL, x: torch.Tensor) -> Q8Blocks:
     return Q8Blocks(q, dx, sx, dxe)
 
 
-def _checked(rc: int, what: str) -> None:
-    if rc:
-        raise RuntimeError(f"{what}: " + ("out of memory" if rc == -2 else "a shape it does not take"))
-
-
-def linear_q4(lib: ctypes.CDLL, x: torch.Tensor, w: Q4Pack) -> torch.Tensor:
-    """x: [M, K] float32 or bf16, M <= MAX_ROWS, rows may be strided -> x @ w.T: [M, N] in x's dtype,
-    with x rounded to int8 blocks of 32 first."""
+def _matmul(entry: ctypes._CFuncPtr, x: torch.Tensor, n: int, weight: list[int]) -> torch.Tensor:
+    """y [M, n] in x's dtype from `entry` (linear_q4 / linear_i8) with the weight's pointers `weight`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    n = w.qs.shape[0]
+    kind = FLOAT_KINDS[x.dtype]
     y = torch.empty((m, n), dtype=x.dtype)
-    rc = lib.linear_q4(
-        x.data_ptr(), FLOAT_KINDS[x.dtype], x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(),
-        w.off.data_ptr(), n, y.data_ptr(), FLOAT_KINDS[x.dtype], torch.get_num_threads(),
-    )  # fmt: skip
-    _checked(rc, "linear_q4")
+    rc = entry(x.data_ptr(), kind, x.stride(0), m, k, *weight, n, y.data_ptr(), kind, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(
+            f"{entry.__name__}: " + ("out of memory" if rc == -2 else "a shape it does not take")
+        )
     return y
+
+
+def linear_q4(lib: ctypes.CDLL, x: torch.Tensor, w: Q4Pack) -> torch.Tensor:
+    """x: [M, K] float32 or bf16 (rows may be strided) -> x @ w.T: [M, N] in x's dtype, with x rounded to
+    int8 blocks of 32 first."""
+    return _matmul(lib.linear_q4, x, w.qs.shape[0], [w.qs.data_ptr(), w.d.data_ptr(), w.off.data_ptr()])
 
 
 def linear_i8(lib: ctypes.CDLL, x: torch.Tensor, w: I8Pack) -> torch.Tensor:
     """As linear_q4, for an int8 weight."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = w.w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype)
-    rc = lib.linear_i8(
-        x.data_ptr(), FLOAT_KINDS[x.dtype], x.stride(0), m, k, w.w.data_ptr(), w.scale.data_ptr(), n,
-        y.data_ptr(), FLOAT_KINDS[x.dtype], torch.get_num_threads(),
-    )  # fmt: skip
-    _checked(rc, "linear_i8")
-    return y
+    return _matmul(lib.linear_i8, x, w.w.shape[0], [w.w.data_ptr(), w.scale.data_ptr()])
 
 
 def q8_blocks_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
