@@ -101,7 +101,9 @@ def test_rotary_kernel_stores_the_bytes_the_store_kernel_stores(
     k_bytes = run(True)[2]
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
     untouched[loc.cpu()] = False
-    nan = torch.full((int(untouched.sum()), HK, D), float("nan")).to(pool_dtype).view(torch.uint8)
+    # made as the pool was, on its device: a GPU casts NaN to FP8 with other bytes than the CPU does
+    nan = torch.full((int(untouched.sum()), HK, D), float("nan"), device=DEVICE).to(pool_dtype)
+    nan = nan.view(torch.uint8).cpu()
     assert torch.equal(k_bytes[untouched], nan)
 
 

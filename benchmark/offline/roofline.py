@@ -67,7 +67,7 @@ def mid_run_contexts(bs: int) -> list[int]:
     return [len(p) + o // 2 for p, o in zip(prompts[:bs], outs[:bs])]
 
 
-def _attention_batch(hq: int, hk: int, d: int, bs: int) -> list[dict[str, Any]]:
+def _attention_batch(hq: int, hk: int, d: int, bs: int, fp8: bool) -> list[dict[str, Any]]:
     from minisgl.kernel import attention as attn
 
     lens = mid_run_contexts(bs)
@@ -80,20 +80,28 @@ def _attention_batch(hq: int, hk: int, d: int, bs: int) -> list[dict[str, Any]]:
         start += n
     k = torch.randn(total + 64, hk, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if fp8:  # an FP8 pool: a byte an element, read with the layer's scales
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
     q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
     rows_t = torch.arange(bs, dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    kv_bytes = 2 * total * hk * d * 2
+    kv_bytes = 2 * total * hk * d * k.element_size()
     rows: list[dict[str, Any]] = []
     chosen = attn.decode_config(bs, hk)
-    for block_n, warps, stages in [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 4, 3)]:
+    configs = [(64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 4, 3), (128, 4, 4)]
+    configs += [(256, 4, 2), (256, 8, 2), (256, 8, 3)]  # an FP8 tile of 256 keys moves a bf16 one's bytes
+    for block_n, warps, stages in configs:
         attn.DECODE_CONFIG = attn.DecodeConfig(block_n, warps, stages)
         for splits in (1, 2):
             row: dict[str, Any] = dict(
-                bs=bs, hq=hq, block_n=block_n, warps=warps, stages=stages, splits=splits
+                bs=bs, hq=hq, fp8=fp8, block_n=block_n, warps=warps, stages=stages, splits=splits
             )
             try:
-                ms = bench_ms(lambda s=splits: attn.decode_attention(q, k, v, table, rows_t, seq, s, d**-0.5))
+                ms = bench_ms(
+                    lambda s=splits: attn.decode_attention(q, k, v, table, rows_t, seq, s, d**-0.5, *scales)
+                )
             except Exception as e:  # a config the compiler refuses (shared memory) is skipped, not fatal
                 rows.append(row | {"error": str(e)[:200]})
                 continue
@@ -103,12 +111,12 @@ def _attention_batch(hq: int, hk: int, d: int, bs: int) -> list[dict[str, Any]]:
     attn.DECODE_CONFIG = None
     best = max((r for r in rows if "us" in r), key=lambda r: r["tb_s"])
     used = [r for r in rows if r.get("default") and r["splits"] == attn.decode_splits(bs, hk)]
-    print(f"decode attention hq={hq} bs={bs}: best {best}; the default {used}", flush=True)
+    print(f"decode attention hq={hq} bs={bs} fp8={fp8}: best {best}; the default {used}", flush=True)
     return rows
 
 
 def attention(hq: int, hk: int, d: int, batches: tuple[int, ...] = (64, 256)) -> list[dict[str, Any]]:
-    return [row for bs in batches for row in _attention_batch(hq, hk, d, bs)]
+    return [row for fp8 in (False, True) for bs in batches for row in _attention_batch(hq, hk, d, bs, fp8)]
 
 
 def _fused_case(t: int, rope: Any) -> list[dict[str, Any]]:
@@ -208,15 +216,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def steps(model_dir: str, ceil: dict[str, float]) -> dict[str, Any]:
+def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str, Any]:
     from minisgl import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056)
+    llm = LLM(
+        model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056, kv_cache_dtype=kv
+    )
     eng = llm.engine
     mc = eng.model_config
     w_bytes = weight_bytes(eng.model)
     params = w_bytes // 2
-    per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    per_token_kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (1 if kv.startswith("fp8") else 2)
     bw = ceil["copy_tb_s"] * 1e12
     flops_rate = ceil["matmul_tflops"] * 1e12
     out: dict[str, Any] = {"weight_bytes": w_bytes, "kv_bytes_per_token": per_token_kv}
@@ -280,12 +290,14 @@ def steps(model_dir: str, ceil: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def e2e(model_dir: str, num: int) -> dict[str, Any]:
+def e2e(model_dir: str, num: int, kv: str = "auto") -> dict[str, Any]:
     """The bench.py run of minisgl with a CUDA event pair around every step: device time against wall time."""
     from minisgl import LLM, SamplingParams
 
     prompts, outs = workload(num)
-    llm = LLM(model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056)
+    llm = LLM(
+        model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056, kv_cache_dtype=kv
+    )
     params = [
         SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(outs)
     ]
@@ -334,6 +346,8 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--sections", default="ceilings,attention,fused,sampler,steps,e2e")
     p.add_argument("--e2e-requests", type=int, default=256)
+    p.add_argument("--attention-batches", default="64,256", help="batch sizes of the attention section")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache in steps and e2e")
     args = p.parse_args()
     sections = args.sections.split(",")
     result: dict[str, Any] = {
@@ -346,8 +360,10 @@ def main() -> None:
     print(f"ceilings: {result['ceilings']}", flush=True)
     save(result, args.json)
     if "attention" in sections:
-        result["attention_qwen3_0.6b"] = attention(16, 8, 128)
-        result["attention_llama3_8b"] = attention(32, 8, 128, (256,))
+        batches = tuple(int(b) for b in args.attention_batches.split(","))
+        result["attention_qwen3_0.6b"] = attention(16, 8, 128, batches)
+        if args.attention_batches == "64,256":  # the default: the Llama-3-8B heads too
+            result["attention_llama3_8b"] = attention(32, 8, 128, (256,))
         save(result, args.json)
     if "fused" in sections:
         result["fused"] = fused()
@@ -356,13 +372,13 @@ def main() -> None:
     save(result, args.json)
     with torch.inference_mode():  # the graphs' static buffers are inference tensors
         if "steps" in sections:
-            result["steps"] = steps(args.model, result["ceilings"])
+            result["steps"] = steps(args.model, result["ceilings"], args.kv_cache_dtype)
             save(result, args.json)
             from roofline_plot import plot
 
             plot(result, os.path.splitext(args.json)[0] + ".png")
         if "e2e" in sections:
-            result["e2e"] = e2e(args.model, args.e2e_requests)
+            result["e2e"] = e2e(args.model, args.e2e_requests, args.kv_cache_dtype)
             save(result, args.json)
 
 

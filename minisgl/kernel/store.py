@@ -25,10 +25,12 @@ def _round_to_e4m3(x):
     # normal e4m3 keeps 3 of float32's 23 mantissa bits: round the 20 dropped ones to nearest even
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     # below 2^-6 e4m3 is subnormal, in steps of 2^-9; adding and taking away 1.5 * 2^23 rounds to an
-    # integer, ties to even (on the magnitude, so that a negative value keeps its sign when it rounds to 0)
+    # integer, ties to even, on the magnitude; x's sign bit is put back as a bit, since Triton's `-sub`
+    # is 0 - sub, which makes a negative value that rounds to 0 +0 where torch's cast gives -0
     a = tl.abs(x)
     sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
-    return tl.where(a < 0.015625, tl.where(x < 0, -sub, sub), normal)
+    signed = (sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(a < 0.015625, signed, normal)
 
 
 @triton.jit
