@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from minisgl.core import Batch, Req, SamplingParams  # noqa: E402
 from minisgl.engine.sample import Sampler, filter_logits, hash_uniform  # noqa: E402
+from minisgl.kernel import attention  # noqa: E402
 from minisgl.kernel import sampling as triton_sampling  # noqa: E402
 from minisgl.kernel.activation import silu_and_mul  # noqa: E402
 from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
@@ -81,9 +82,17 @@ def reference_attention(
     return torch.cat(out)
 
 
+# the engine's choice for float32, and unmasked full tiles of 16 keys (a 70-token context: 4 full, 1 masked)
+EVEN_TILES = [None, attention.DecodeConfig(16, 4, 2, even=True)]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_matches_reference(page_size: int, num_splits: int) -> None:
+@pytest.mark.parametrize("tiles", EVEN_TILES, ids=["chosen", "even"])
+def test_decode_attention_matches_reference(
+    page_size: int, num_splits: int, tiles: attention.DecodeConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "DECODE_CONFIG", tiles)
     lens, hq, hk, d = [1, 7, 70, 33], 4, 2, 16
     k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=page_size + num_splits)
     q = torch.randn(len(lens), hq, d).to(DEVICE)
@@ -216,7 +225,11 @@ def test_store_kv_fp8_without_scales_is_refused() -> None:
 
 
 @pytest.mark.parametrize("page_size,num_splits", [(1, 1), (4, 3)])
-def test_decode_attention_reads_fp8_with_its_scales(page_size: int, num_splits: int) -> None:
+@pytest.mark.parametrize("tiles", EVEN_TILES, ids=["chosen", "even"])
+def test_decode_attention_reads_fp8_with_its_scales(
+    page_size: int, num_splits: int, tiles: attention.DecodeConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "DECODE_CONFIG", tiles)
     lens, hq, hk, d = [1, 7, 70, 33], 4, 2, 16
     k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=11 + page_size)
     k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)

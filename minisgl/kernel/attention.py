@@ -28,19 +28,48 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # full tiles loaded without masks, only a split's last tile masked: the loads then depend on nothing
+    # but the page table, and the pipeline keeps more of them in flight (16-bit queries only)
+    even: bool = False
 
 
-# measured on an H200 (docs/benchmarks.md): wide tiles once the batch alone fills the GPU, deeper pipelines below
+# measured on an H200 (docs/benchmarks.md, "Decode attention: unmasked full tiles"): wide masked tiles once
+# a bf16 batch alone fills the GPU; below that, and always for an FP8 pool, unmasked full tiles of 128
+# keys with a deeper pipeline; a float32 query keeps the small masked tiles its shared memory allows
 WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
+EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True)
 DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an H200
 
 
-def decode_config(batch_size: int, num_kv_heads: int) -> DecodeConfig:
+def decode_config(
+    batch_size: int, num_kv_heads: int, q_dtype: torch.dtype = torch.bfloat16, fp8: bool = False
+) -> DecodeConfig:
     if DECODE_CONFIG is not None:
         return DECODE_CONFIG
-    return WIDE if batch_size * num_kv_heads >= 1024 else DEEP
+    if q_dtype == torch.float32:
+        return WIDE if batch_size * num_kv_heads >= 1024 else DEEP
+    if fp8:
+        return EVEN_FP8
+    return WIDE if batch_size * num_kv_heads >= 1024 else EVEN_DEEP
+
+
+@triton.jit
+def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax of the query heads: the new (max, sum, weighted V)."""
+    if k.dtype != q.dtype:  # an FP8 pool's tile, widened in registers
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -77,6 +106,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     HALF: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -106,24 +136,23 @@ def _decode_kernel(
         # an FP8 pool holds K / k_scale and V / v_scale: the scales multiply the scores and the output,
         # so the tiles are only widened to q's dtype in registers and never scaled element by element
         qk_scale = qk_scale * tl.load(KScale)
-    for n in range(start, end, BLOCK_N):
+    tail = start
+    if EVEN:  # BLOCK_D == D: every full tile without a mask, then at most one masked tile
+        tail = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n in range(start, tail, BLOCK_N):
+            offs = n + tl.arange(0, BLOCK_N)
+            slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :])
+            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
+    for n in range(tail, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
         slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, True, PRECISION)
 
     omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
@@ -201,7 +230,7 @@ def decode_attention(
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
-    cfg = decode_config(bs, hk)
+    cfg = decode_config(bs, hk, q.dtype, fp8)
     out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
     split = num_splits > 1
@@ -243,6 +272,7 @@ def decode_attention(
         PRECISION=dot_precision(q.dtype),
         FP8=fp8,
         HALF=fp8 and q.dtype != torch.float32,
+        EVEN=cfg.even and block_d == d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,260 @@
+"""Decode attention kernel variants against the engine's, on one GPU: the same pool data, bf16 and FP8.
+
+    python benchmark/offline/decode_variants.py [--json out.json]
+
+The engine's kernel (minisgl/kernel/attention.py) takes as long on an FP8 pool as on a bf16 one (half the
+bytes), so something other than DRAM bytes bounds it. The variants here test which:
+  tc      the engine's kernel (tensor-core dots on a [16, BLOCK_N] tile of which GROUP rows are heads);
+  tc_even the same with the full tiles loaded without masks and only the last tile masked;
+  cc      no tensor cores: the GROUP heads' scores and outputs as float32 products and sums, so a tile
+          goes from memory to registers and is used there (no shared-memory round trip, no padding rows).
+Each variant's output is checked against the engine kernel's before it is timed. Decode contexts are the
+upstream workload's halfway through (roofline.py's mid_run_contexts), slots scattered as pages are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@triton.jit
+def _cc_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PageTable,
+    Rows,
+    SeqLens,
+    KScale,
+    VScale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    row = tl.load(Rows + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    heads = kvh * GROUP + h
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    if FP8:
+        qk_scale = qk_scale * tl.load(KScale)
+    q = q.to(tl.float32) * qk_scale
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for n in range(0, seq_len, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        nmask = offs < seq_len
+        slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
+        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(K + at, mask=nmask[:, None], other=0.0).to(tl.float32)
+        qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + at, mask=nmask[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(VScale)
+    tl.store(
+        Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=hmask[:, None],
+    )
+
+
+@triton.jit
+def _tc_even_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PageTable,
+    Rows,
+    SeqLens,
+    KScale,
+    VScale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    row = tl.load(Rows + b).to(tl.int64)
+    seq_len = tl.load(SeqLens + b)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    heads = kvh * GROUP + h
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    if FP8:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        qk_scale = qk_scale * tl.load(KScale)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
+    for n in range(0, full_end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
+        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(K + at)
+        v = tl.load(V + at)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if full_end < seq_len:
+        offs = full_end + tl.arange(0, BLOCK_N)
+        nmask = offs < seq_len
+        slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
+        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(K + at, mask=nmask[:, None], other=0.0)
+        v = tl.load(V + at, mask=nmask[:, None], other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(VScale)
+    tl.store(
+        Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=hmask[:, None],
+    )
+
+
+def run_variant(kernel: Any, block_h: int, q, k, v, table, rows, seq, scales, block_n, warps, stages) -> Any:
+    bs, hq, d = q.shape
+    hk = k.shape[1]
+    out = torch.empty_like(q)
+    fp8 = k.dtype == torch.float8_e4m3fn
+    ks, vs = scales if fp8 else (seq, seq)
+    kernel[(hk, bs)](
+        q, k, v, out, table, rows, seq, ks, vs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), out.stride(0), out.stride(1),
+        d**-0.5 * 1.4426950408889634,
+        GROUP=hq // hk, BLOCK_H=block_h, BLOCK_N=block_n, D=d, FP8=fp8, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json")
+    p.add_argument("--batches", default="64,256")
+    args = p.parse_args()
+    from roofline import bench_ms, mid_run_contexts
+
+    from minisgl.kernel import attention as attn
+
+    hq, hk, d = 16, 8, 128
+    results: list[dict[str, Any]] = []
+    for bs in (int(b) for b in args.batches.split(",")):
+        lens = mid_run_contexts(bs)
+        total = sum(lens)
+        slots = torch.randperm(total + 64, device="cuda")[:total].to(torch.int32)
+        table = torch.zeros(bs, max(lens), dtype=torch.int32, device="cuda")
+        start = 0
+        for i, n in enumerate(lens):
+            table[i, :n] = slots[start : start + n]
+            start += n
+        rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
+        for fp8 in (False, True):
+            k = torch.randn(total + 64, hk, d, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn_like(k)
+            scales = (torch.ones(1, device="cuda") * 0.5, torch.ones(1, device="cuda") * 0.5)
+            if fp8:
+                k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            kv_bytes = 2 * total * hk * d * k.element_size()
+            args_fp8 = scales if fp8 else (None, None)
+            ref = attn.decode_attention(q, k, v, table, rows, seq, 1, d**-0.5, *args_fp8)
+            ms = bench_ms(partial(attn.decode_attention, q, k, v, table, rows, seq, 1, d**-0.5, *args_fp8))
+            base = {"bs": bs, "fp8": fp8, "variant": "tc", "us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9}
+            results.append(base)
+            print(base, flush=True)
+            grid = [("cc", _cc_kernel, 2, bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+            grid += [("tc_even", _tc_even_kernel, 16, bn, 4, s) for bn in (64, 128) for s in (2, 3, 4)]
+            for name, kernel, bh, bn, w, s in grid:
+                row: dict[str, Any] = {
+                    "bs": bs,
+                    "fp8": fp8,
+                    "variant": name,
+                    "block_n": bn,
+                    "warps": w,
+                    "stages": s,
+                }
+                try:
+                    out = run_variant(kernel, bh, q, k, v, table, rows, seq, scales, bn, w, s)
+                    row["max_diff"] = (out.float() - ref.float()).abs().max().item()
+                    ms = bench_ms(
+                        partial(run_variant, kernel, bh, q, k, v, table, rows, seq, scales, bn, w, s)
+                    )
+                    row |= {"us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9}
+                except Exception as e:  # a configuration the compiler refuses is a row, not the end
+                    row["error"] = str(e)[:200]
+                results.append(row)
+                print(row, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
