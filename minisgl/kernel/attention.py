@@ -89,8 +89,6 @@ def _decode_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
-    stride_vt,
-    stride_vh,
     stride_pt,
     stride_ot,
     stride_oh,
@@ -142,16 +140,19 @@ def _decode_kernel(
         for n in range(start, tail, BLOCK_N):
             offs = n + tl.arange(0, BLOCK_N)
             slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :])
-            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+            # K and V share one layout: one tile of offsets (int64 a element, registers) serves both
+            at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+            k = tl.load(K + at)
+            v = tl.load(V + at)
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
     for n in range(tail, end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < end
         slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(K + at, mask=kv_mask, other=0.0)
+        v = tl.load(V + at, mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, True, PRECISION)
 
     omask = hmask[:, None] & dmask[None, :]
@@ -227,6 +228,8 @@ def decode_attention(
     for a float32 one).
     """
     fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("decode_attention reads K and V at the same offsets: the caches must share a layout")
     bs, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -255,8 +258,6 @@ def decode_attention(
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
