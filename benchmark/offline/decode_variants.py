@@ -265,7 +265,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--batches", default="64,256")
     p.add_argument(
-        "--only", choices=["all", "fp8_qk"], default="all", help="fp8_qk: the FP8-dot variant only"
+        "--only", choices=["all", "fp8_qk", "even"], default="all", help="one variant beside the engine's"
     )
     args = p.parse_args()
     from roofline import bench_ms, mid_run_contexts
