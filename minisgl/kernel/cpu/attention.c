@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
@@ -187,4 +188,311 @@ void decode_attention(const float *q, const void *k, const void *v, int kv_kind,
         }
         free(scores);
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Prefill (and extend over a cached prefix) attention, causal, flash-attention style: a block of a request's
+// query rows (its tokens times the query heads of one KV head) goes over its keys a tile of PF_BK at a
+// time, with the softmax kept online (a running maximum and sum a row), so scores never fill a
+// [queries, context] matrix. K/V are read in place through the page table, each tile widened once for
+// every query head of its group.
+//
+// Layouts, chosen so that no loop needs a sum across a vector's lanes: the query block is kept transposed,
+// qt[d][m] (done once a block), so the scores come out as st[key][m], 16 rows a vector; the softmax's
+// maximum and sum a row are then plain vector maxima and sums over keys. Products of scores and V
+// broadcast one score and multiply a row of V. Everything is float32; where both the queries and the pool
+// are bf16 and the CPU has AVX512-BF16, the scores are summed by `vdpbf16ps` (two bf16 products a lane an
+// instruction, each exact in float32, added in float32) straight from the pool, and without it by
+// plain code that adds the same products in the same order.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PF_BF16_DOT 1
+#else
+#define PF_BF16_DOT 0
+#endif
+
+// keys a tile; query rows a block aim at this many (tokens times the group's heads), so a block's
+// tiles stay in the core's L2 and a 500-token prompt still gives dozens of blocks to share out
+#define PF_BK 64
+#define PF_ROWS 96
+
+#define PF_INLINE static inline __attribute__((always_inline))
+
+typedef uint32_t v16w __attribute__((vector_size(64), aligned(4)));
+
+PF_INLINE v16f vmax(v16f a, v16f b) {
+    const v16i gt = a > b;
+    return (v16f)((gt & (v16i)a) | (~gt & (v16i)b));
+}
+
+// st[j][m0 : m0 + 16 nv] for the 4 keys j0..j0+3 = sum over d of kt[j][d] * qt[d][m], float32
+PF_INLINE void pf_scores_f32(const float *qt, const float *kt, float *st, int ld, int D, int j0, int m0, int nv) {
+    v16f acc[4][4];
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) acc[j][c] = (v16f){0};
+    for (int d = 0; d < D; ++d) {
+        v16f qv[4];
+        for (int c = 0; c < nv; ++c) qv[c] = *(const v16f *)(qt + (int64_t)d * ld + m0 + 16 * c);
+        for (int j = 0; j < 4; ++j) {
+            const float kj = kt[(int64_t)(j0 + j) * D + d];
+            for (int c = 0; c < nv; ++c) acc[j][c] += kj * qv[c];
+        }
+    }
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) *(v16f *)(st + (int64_t)(j0 + j) * ld + m0 + 16 * c) = acc[j][c];
+}
+
+// the same from bf16: qt holds pairs (q[m][2p], q[m][2p + 1]) as words, qt[p][m]; krows[j] the keys' rows
+#if PF_BF16_DOT
+PF_INLINE void pf_scores_bf16(const uint32_t *qt, const uint16_t *const *krows, float *st, int ld, int D, int j0,
+                              int m0, int nv) {
+    v16f acc[4][4];
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) acc[j][c] = (v16f){0};
+    for (int p = 0; p < D / 2; ++p) {
+        v16w qv[4];
+        for (int c = 0; c < nv; ++c) qv[c] = *(const v16w *)(qt + (int64_t)p * ld + m0 + 16 * c);
+        for (int j = 0; j < 4; ++j) {
+            uint32_t kw;
+            memcpy(&kw, krows[j0 + j] + 2 * p, sizeof kw);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)kw);
+            for (int c = 0; c < nv; ++c) acc[j][c] = (v16f)_mm512_dpbf16_ps((__m512)acc[j][c], (__m512bh)qv[c], kb);
+        }
+    }
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) *(v16f *)(st + (int64_t)(j0 + j) * ld + m0 + 16 * c) = acc[j][c];
+}
+#else
+// Without AVX512-BF16: the same products added in vdpbf16ps's order (a lane adds the odd element's product,
+// then the even one's; each product is exact in float32), so the sums are the same to the bit. Kept from the
+// reassociation the build's -fassociative-math allows elsewhere, which would pair the two products first.
+__attribute__((optimize("no-associative-math"))) static void pf_scores_bf16(const uint32_t *qt,
+                                                                         const uint16_t *const *krows, float *st,
+                                                                         int ld, int D, int j0, int m0, int nv) {
+    v16f acc[4][4];
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) acc[j][c] = (v16f){0};
+    for (int p = 0; p < D / 2; ++p) {
+        v16f qhi[4], qlo[4];
+        for (int c = 0; c < nv; ++c) {
+            const v16w qv = *(const v16w *)(qt + (int64_t)p * ld + m0 + 16 * c);
+            const v16w hi = qv & 0xffff0000u, lo = qv << 16;
+            memcpy(&qhi[c], &hi, sizeof hi);
+            memcpy(&qlo[c], &lo, sizeof lo);
+        }
+        for (int j = 0; j < 4; ++j) {
+            const float khi = bf2f(krows[j0 + j][2 * p + 1]), klo = bf2f(krows[j0 + j][2 * p]);
+            for (int c = 0; c < nv; ++c) {
+                acc[j][c] += qhi[c] * khi;
+                acc[j][c] += qlo[c] * klo;
+            }
+        }
+    }
+    for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < nv; ++c) *(v16f *)(st + (int64_t)(j0 + j) * ld + m0 + 16 * c) = acc[j][c];
+}
+#endif
+
+// o[m][c0 : c0 + 16 nv] of rows m0..m0+3 = alpha[m] o[m] + sum over the tile's n keys of p[j][m] v[j]
+PF_INLINE void pf_values(float *o, const float *st, const float *vt, const float *alpha, int ld, int D, int n,
+                         int m0, int c0, int nv) {
+    v16f acc[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < nv; ++c) acc[r][c] = *(const v16f *)(o + (int64_t)(m0 + r) * D + c0 + 16 * c) * alpha[m0 + r];
+    for (int j = 0; j < n; ++j) {
+        v16f vv[4];
+        for (int c = 0; c < nv; ++c) vv[c] = *(const v16f *)(vt + (int64_t)j * D + c0 + 16 * c);
+        for (int r = 0; r < 4; ++r) {
+            const float p = st[(int64_t)j * ld + m0 + r];
+            for (int c = 0; c < nv; ++c) acc[r][c] += p * vv[c];
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < nv; ++c) *(v16f *)(o + (int64_t)(m0 + r) * D + c0 + 16 * c) = acc[r][c];
+}
+
+// a row of n16 vectors widened from the pool (float32, bf16 or fp8) into float32
+static inline void pf_widen(float *dst, const void *src, int64_t base, int D, int kind) {
+    for (int c = 0; c < D; c += 16) *(v16f *)(dst + c) = load16(src, base + c, kind);
+}
+
+// per thread: everything one block works on
+typedef struct {
+    float *qt, *o, *st, *kt, *vt, *m, *l, *alpha;
+    int32_t *pos;
+    const uint16_t **krows;
+} pf_scratch;
+
+// q: [T, Hq, D] float32 (q_kind 0) or bf16 (1), token rows q_stride elements apart, each request's extend[b]
+// rows one after another; k, v: [slots, Hk, D] of kv_kind; page_table: [rows, pt_stride] int32 token
+// slots; rows, prefix (cached tokens), extend: [B] int64; out: [T, Hq, D] contiguous, of q_kind. Query row t
+// of request b sits at position prefix[b] + t and sees the keys at positions 0..prefix[b] + t. Scores are
+// q.k * scale (an FP8 pool's K scale folded in by the caller), outputs times v_scale.
+// Returns 0, -1 for a shape it does not take (D not a multiple of 16, Hq not a multiple of Hk), -2 out of memory.
+int prefill_attention(const void *q, int q_kind, int64_t q_stride, const void *k, const void *v, int kv_kind,
+                      const int32_t *page_table, int64_t pt_stride, const int64_t *rows, const int64_t *prefix,
+                      const int64_t *extend, void *out, int B, int Hq, int Hk, int D, float scale, float v_scale,
+                      int num_threads) {
+    if (D % 16 || D <= 0 || Hk <= 0 || Hq % Hk) return -1;
+    const int G = Hq / Hk, bf16_dot = q_kind == 1 && kv_kind == KV_BF16;
+    const int BQ = G >= PF_ROWS ? 1 : PF_ROWS / G < 32 ? PF_ROWS / G : 32;
+    // rows of a block padded to whole vectors; the padding rows have q = 0 and see every key
+    const int ld = (BQ * G + 15) / 16 * 16;
+    const int64_t esize = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1;
+    int64_t nblocks = 0;
+    for (int b = 0; b < B; ++b) nblocks += (extend[b] + BQ - 1) / BQ;
+    // each block: its request and first query row; qstart: the request's first packed row
+    int64_t *blk = malloc(sizeof(int64_t) * (size_t)(3 * nblocks + 1));
+    uint16_t *zeros = calloc((size_t)D, sizeof(uint16_t));
+    int rc = blk && zeros ? 0 : -2;
+    if (!rc) {
+        int64_t i = 0, start = 0;
+        for (int b = 0; b < B; ++b) {
+            for (int64_t t = 0; t < extend[b]; t += BQ, ++i) {
+                blk[3 * i] = b;
+                blk[3 * i + 1] = t;
+                blk[3 * i + 2] = start;
+            }
+            start += extend[b];
+        }
+    }
+    const int64_t items = rc ? 0 : nblocks * Hk;
+#pragma omp parallel num_threads(num_threads) if (items > 1)
+    {
+        pf_scratch s = {0};
+        const size_t floats = (size_t)ld * D * 2 + (size_t)PF_BK * ld + (size_t)PF_BK * D * 2 + (size_t)ld * 3;
+        float *mem = items ? aligned_alloc(64, (floats * sizeof(float) + (size_t)ld * 4 + 63) / 64 * 64) : NULL;
+        s.krows = items ? malloc(sizeof(uint16_t *) * PF_BK) : NULL;
+        if (items && (!mem || !s.krows)) {
+#pragma omp atomic write
+            rc = -2;
+        }
+        if (mem) {
+            s.qt = mem;
+            s.o = s.qt + (size_t)ld * D;
+            s.st = s.o + (size_t)ld * D;
+            s.kt = s.st + (size_t)PF_BK * ld;
+            s.vt = s.kt + (size_t)PF_BK * D;
+            s.m = s.vt + (size_t)PF_BK * D;
+            s.l = s.m + ld;
+            s.alpha = s.l + ld;
+            s.pos = (int32_t *)(s.alpha + ld);
+        }
+        // the blocks with the most keys (last in each request) first, so the threads finish together
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = items - 1; it >= 0; --it) {
+            if (!mem || !s.krows) continue;
+            const int64_t bi = it / Hk;
+            const int h = (int)(it % Hk), b = (int)blk[3 * bi];
+            const int64_t q0 = blk[3 * bi + 1], first = blk[3 * bi + 2] + q0;
+            const int nq = (int)(extend[b] - q0 < BQ ? extend[b] - q0 : BQ), M = nq * G;
+            const int64_t P = prefix[b] + q0, nkeys = P + nq;
+            const int32_t *slots = page_table + rows[b] * pt_stride;
+            // the block's queries, transposed: qt[d][m] (float32) or qt[p][m] (bf16 pairs)
+            memset(s.qt, 0, sizeof(float) * (size_t)ld * D);
+            for (int m = 0; m < M; ++m) {
+                const int64_t base = (first + m / G) * q_stride + (int64_t)(h * G + m % G) * D;
+                if (bf16_dot) {
+                    const uint16_t *qr = (const uint16_t *)q + base;
+                    for (int p = 0; p < D / 2; ++p) memcpy((uint32_t *)s.qt + (int64_t)p * ld + m, qr + 2 * p, 4);
+                } else {
+                    for (int d = 0; d < D; ++d) s.qt[(int64_t)d * ld + m] = load1(q, base + d, q_kind);
+                }
+            }
+            for (int m = 0; m < ld; ++m) {
+                s.pos[m] = m < M ? (int32_t)(P + m / G) : INT32_MAX;
+                s.m[m] = -INFINITY;
+                s.l[m] = 0.f;
+            }
+            memset(s.o, 0, sizeof(float) * (size_t)ld * D);
+            for (int64_t kt0 = 0; kt0 < nkeys; kt0 += PF_BK) {
+                const int n = (int)(nkeys - kt0 < PF_BK ? nkeys - kt0 : PF_BK), n4 = (n + 3) / 4 * 4;
+                for (int j = 0; j < n4; ++j) {
+                    if (j + PREFETCH_AHEAD < n) {
+                        const int64_t ahead = ((int64_t)slots[kt0 + j + PREFETCH_AHEAD] * Hk + h) * D * esize;
+                        __builtin_prefetch((const char *)k + ahead);
+                        __builtin_prefetch((const char *)v + ahead);
+                    }
+                    const int64_t base = j < n ? ((int64_t)slots[kt0 + j] * Hk + h) * D : -1;
+                    if (bf16_dot) {
+                        s.krows[j] = base < 0 ? zeros : (const uint16_t *)k + base;
+                    } else if (base < 0) {
+                        memset(s.kt + (int64_t)j * D, 0, sizeof(float) * D);
+                    } else {
+                        pf_widen(s.kt + (int64_t)j * D, k, base, D, kv_kind);
+                    }
+                    if (base >= 0) pf_widen(s.vt + (int64_t)j * D, v, base, D, kv_kind);
+                }
+                // st[j][m] = q_m . k_j
+                for (int j0 = 0; j0 < n4; j0 += 4) {
+                    int m0 = 0;
+                    for (; m0 + 64 <= ld; m0 += 64) {
+                        if (bf16_dot)
+                            pf_scores_bf16((const uint32_t *)s.qt, s.krows, s.st, ld, D, j0, m0, 4);
+                        else
+                            pf_scores_f32(s.qt, s.kt, s.st, ld, D, j0, m0, 4);
+                    }
+                    for (; m0 < ld; m0 += 16) {
+                        if (bf16_dot)
+                            pf_scores_bf16((const uint32_t *)s.qt, s.krows, s.st, ld, D, j0, m0, 1);
+                        else
+                            pf_scores_f32(s.qt, s.kt, s.st, ld, D, j0, m0, 1);
+                    }
+                }
+                // online softmax, 16 rows at a time: keys past a row's position are masked out
+                const v16f neg_inf = (v16f){0} - INFINITY;
+                for (int m0 = 0; m0 < ld; m0 += 16) {
+                    v16i pos;
+                    memcpy(&pos, s.pos + m0, sizeof pos);
+                    const v16f m_old = *(const v16f *)(s.m + m0);
+                    v16f mx = neg_inf;
+                    for (int j = 0; j < n; ++j) {
+                        const v16i ok = pos >= (int32_t)(kt0 + j);
+                        v16f *sj = (v16f *)(s.st + (int64_t)j * ld + m0);
+                        const v16f x = (v16f)((ok & (v16i)(*sj * scale)) | (~ok & (v16i)neg_inf));
+                        *sj = x;
+                        mx = vmax(mx, x);
+                    }
+                    const v16f m_new = vmax(m_old, mx), alpha = exp16(m_old - m_new);
+                    v16f sum = (v16f){0};
+                    for (int j = 0; j < n; ++j) {
+                        const v16i ok = pos >= (int32_t)(kt0 + j);
+                        v16f *sj = (v16f *)(s.st + (int64_t)j * ld + m0);
+                        // exp16 clamps -inf to a tiny value, not zero: the mask sets masked keys to zero
+                        const v16f p = (v16f)(ok & (v16i)exp16(*sj - m_new));
+                        *sj = p;
+                        sum += p;
+                    }
+                    *(v16f *)(s.m + m0) = m_new;
+                    *(v16f *)(s.l + m0) = *(const v16f *)(s.l + m0) * alpha + sum;
+                    *(v16f *)(s.alpha + m0) = alpha;
+                }
+                // o[m] = alpha[m] o[m] + sum_j p[j][m] v_j
+                for (int m0 = 0; m0 < ld; m0 += 4) {
+                    int c0 = 0;
+                    for (; c0 + 64 <= D; c0 += 64) pf_values(s.o, s.st, s.vt, s.alpha, ld, D, n, m0, c0, 4);
+                    switch ((D - c0) / 16) {
+                        case 3: pf_values(s.o, s.st, s.vt, s.alpha, ld, D, n, m0, c0, 3); break;
+                        case 2: pf_values(s.o, s.st, s.vt, s.alpha, ld, D, n, m0, c0, 2); break;
+                        case 1: pf_values(s.o, s.st, s.vt, s.alpha, ld, D, n, m0, c0, 1); break;
+                    }
+                }
+            }
+            for (int m = 0; m < M; ++m) {
+                const float inv = v_scale / s.l[m];
+                const float *om = s.o + (int64_t)m * D;
+                const int64_t base = ((first + m / G) * Hq + h * G + m % G) * D;
+                if (q_kind == 1) {
+                    for (int d = 0; d < D; ++d) ((uint16_t *)out)[base + d] = f2bf(om[d] * inv);
+                } else {
+                    for (int d = 0; d < D; ++d) ((float *)out)[base + d] = om[d] * inv;
+                }
+            }
+        }
+        free(mem);
+        free(s.krows);
+    }
+    free(blk);
+    free(zeros);
+    return rc;
 }
