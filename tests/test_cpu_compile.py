@@ -26,7 +26,9 @@ pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler here: the CPU kernels could not be built"
 )
 
-PROMPTS = random_prompts(5, seed=3)
+# prompts whose bf16 greedy tokens meet no exact tie of two logits (seed 3's first one did at its seventh
+# token once the prefill's attention changed, which compiled and eager steps broke differently)
+PROMPTS = random_prompts(5, seed=4)
 MAX_TOKENS = [9, 3, 14, 1, 6]
 PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 

@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(target: Path, sources: list[Path]) -> None:
+def _build(target: Path, sources: list[Path], extra_flags: Sequence[str]) -> None:
     cc = os.environ.get("CC", "cc")
     target.parent.mkdir(parents=True, exist_ok=True)
     # built beside the target, then renamed: processes building at once never load a half-written file
@@ -56,7 +57,7 @@ def _build(target: Path, sources: list[Path]) -> None:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [cc, *_FLAGS, *map(str, sources), "-o", str(partial), "-lm"],
+            [cc, *_FLAGS, *extra_flags, *map(str, sources), "-o", str(partial), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -67,37 +68,66 @@ def _build(target: Path, sources: list[Path]) -> None:
         partial.unlink(missing_ok=True)
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot be built here (the callers then use torch ops)."""
-    if ENV.DISABLE_CPU_KERNELS:
-        return None
+def load(folder: Path, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
+    """The kernels built into `folder` (once: the file is named by the sources', flags' and CPU's hash)
+    and loaded. extra_flags follow the usual ones: the tests build the plain-C paths with
+    `-mno-avx512f` to check they give what the vector paths give."""
     here = Path(__file__).parent
     sources = [here / name for name in _SOURCES]
     digest = hashlib.sha256()
     for src in [*sources, *(here / name for name in _HEADERS)]:
         digest.update(src.read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
+    digest.update(" ".join([*_FLAGS, *extra_flags]).encode())
     digest.update(_cpu_flags().encode())
-    target = Path(ENV.CACHE_DIR.value) / "cpu_kernels" / f"minisgl_cpu_{digest.hexdigest()[:16]}.so"
+    target = folder / f"minisgl_cpu_{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        _build(target, sources, extra_flags)
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built here (the callers then use torch ops)."""
+    if ENV.DISABLE_CPU_KERNELS:
+        return None
     try:
-        if not target.exists():
-            _build(target, sources)
-        lib = ctypes.CDLL(str(target))
+        return load(Path(ENV.CACHE_DIR.value) / "cpu_kernels")
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning(
             f"the CPU kernels could not be built ({detail.strip()[:300]}); using torch ops instead"
         )
         return None
-    _declare(lib)
-    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, p, i32, i32, i32, i32, f32, i32]
     lib.decode_attention.restype = None
+    lib.prefill_attention.argtypes = [
+        p,
+        i32,
+        i64,
+        p,
+        p,
+        i32,
+        p,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        i32,
+        i32,
+        i32,
+        i32,
+        f32,
+        f32,
+        i32,
+    ]
+    lib.prefill_attention.restype = i32
     lib.linear_bf16.argtypes = [p, p, p, i32, i32, i32, i32]
     lib.linear_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i32, i64, f32, i32]
@@ -120,6 +150,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # the element types attention.c reads, by its kv_kind codes
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# the float kinds the kernels' activations are read and written in (W8A8's ends, prefill attention's
+# queries and outputs), by their x_kind / y_kind / q_kind codes
+FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def decode_attention(
@@ -163,6 +196,66 @@ def decode_attention(
     )
     if v_scale != 1.0:
         out.mul_(v_scale)
+    return out
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Causal attention of a packed prefill batch over the paged pool.
+
+    q: [T, Hq, D] float32 or bf16 (heads contiguous; tokens may be strided, as views of a qkv projection
+    are), the extend_lens[b] rows of each request one after another; k/v_cache: [slots, Hk, D] float32,
+    bf16 or float8_e4m3fn (read as stored * k_scale or v_scale); page_table: [R, W] int32 token slots;
+    rows, prefix_lens (cached tokens), extend_lens: [B] int64. Row t of request b attends over the first
+    prefix_lens[b] + t + 1 slots of its page-table row -> [T, Hq, D] in q's dtype. D % 16 == 0.
+    """
+    assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
+    if q.dtype not in FLOAT_KINDS:
+        q = q.to(torch.float32)
+    t, num_q, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    rows, prefix_lens, extend_lens = rows.contiguous(), prefix_lens.contiguous(), extend_lens.contiguous()
+    out = torch.empty((t, num_q, d), dtype=q.dtype)
+    rc = lib.prefill_attention(
+        q.data_ptr(),
+        FLOAT_KINDS[q.dtype],
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        _KV_KINDS[k_cache.dtype],
+        page_table.data_ptr(),
+        page_table.stride(0),
+        rows.data_ptr(),
+        prefix_lens.data_ptr(),
+        extend_lens.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        num_q,
+        k_cache.shape[1],
+        d,
+        scale * k_scale,
+        v_scale,
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise MemoryError("prefill attention: out of memory for its tiles")
+    if rc != 0:
+        raise ValueError(
+            f"prefill attention takes head_dim % 16 == 0 and Hq % Hk == 0: got {d}, {num_q}, {k_cache.shape[1]}"
+        )
     return out
 
 
@@ -261,10 +354,6 @@ def rotary_bf16(
         torch.get_num_threads(),
     )
     return q, k
-
-
-# the float kinds the W8A8 ends read and write, by their x_kind / y_kind codes
-FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
