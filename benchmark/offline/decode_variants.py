@@ -5,7 +5,8 @@
 The engine's kernel (minisgl/kernel/attention.py) takes as long on an FP8 pool as on a bf16 one (half the
 bytes), so something other than DRAM bytes bounds it. The variants here test which:
   tc      the engine's kernel (tensor-core dots on a [16, BLOCK_N] tile of which GROUP rows are heads);
-  tc_even the same with the full tiles loaded without masks and only the last tile masked;
+  tc_even the same with the full tiles loaded without masks and only the last tile masked (the engine's
+          kernel with DecodeConfig.even, which it now takes for FP8 pools and small 16-bit batches);
   fp8_qk  (FP8 pools) the scores' dot in FP8 on the tensor cores: q rounded to e4m3 with a scale a head,
           so K is used as stored and only V is widened (to fp16) for the output's dot;
   cc      no tensor cores: the GROUP heads' scores and outputs as float32 products and sums, so a tile
@@ -96,91 +97,6 @@ def _cc_kernel(
 
 
 @triton.jit
-def _tc_even_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    PageTable,
-    Rows,
-    SeqLens,
-    KScale,
-    VScale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_pt,
-    stride_ot,
-    stride_oh,
-    qk_scale,
-    GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    kvh = tl.program_id(0)
-    b = tl.program_id(1)
-    row = tl.load(Rows + b).to(tl.int64)
-    seq_len = tl.load(SeqLens + b)
-    h = tl.arange(0, BLOCK_H)
-    hmask = h < GROUP
-    heads = kvh * GROUP + h
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    if FP8:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        qk_scale = qk_scale * tl.load(KScale)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    full_end = (seq_len // BLOCK_N) * BLOCK_N
-    for n in range(0, full_end, BLOCK_N):
-        offs = n + tl.arange(0, BLOCK_N)
-        slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
-        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        k = tl.load(K + at)
-        v = tl.load(V + at)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    if full_end < seq_len:
-        offs = full_end + tl.arange(0, BLOCK_N)
-        nmask = offs < seq_len
-        slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
-        at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        k = tl.load(K + at, mask=nmask[:, None], other=0.0)
-        v = tl.load(V + at, mask=nmask[:, None], other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    out = acc / l_i[:, None]
-    if FP8:
-        out = out * tl.load(VScale)
-    tl.store(
-        Out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=hmask[:, None],
-    )
-
-
-@triton.jit
 def _fp8_qk_kernel(
     Q,
     K,
@@ -205,7 +121,7 @@ def _fp8_qk_kernel(
     D: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """tc_even with the scores' dot in FP8: q rounded to e4m3 with a scale a head, K used as stored."""
+    """the unmasked tiles with the scores' dot in FP8: q rounded to e4m3 with a scale a head, K used as stored."""
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     row = tl.load(Rows + b).to(tl.int64)
@@ -246,6 +162,18 @@ def _fp8_qk_kernel(
 
 
 def run_variant(kernel: Any, block_h: int, q, k, v, table, rows, seq, scales, block_n, warps, stages) -> Any:
+    """One launch of a variant; kernel None: the engine's kernel with unmasked full tiles of this shape."""
+    if kernel is None:
+        from minisgl.kernel import attention as attn
+
+        attn.DECODE_CONFIG = attn.DecodeConfig(block_n, warps, stages, even=True)
+        try:
+            fp8 = k.dtype == torch.float8_e4m3fn
+            return attn.decode_attention(
+                q, k, v, table, rows, seq, 1, q.shape[-1] ** -0.5, *(scales if fp8 else ())
+            )
+        finally:
+            attn.DECODE_CONFIG = None
     bs, hq, d = q.shape
     hk = k.shape[1]
     out = torch.empty_like(q)
@@ -305,9 +233,9 @@ def main() -> None:
             results.append(base)
             print(base, flush=True)
             if args.only == "even":
-                grid = [("tc_even", _tc_even_kernel, 16, 128, 4, s) for s in (3, 4)]
+                grid = [("tc_even", None, 16, 128, 4, s) for s in (3, 4)]
             elif args.only == "fp8_qk":
-                grid = [("tc_even", _tc_even_kernel, 16, 128, 4, s) for s in (3, 4)]
+                grid = [("tc_even", None, 16, 128, 4, s) for s in (3, 4)]
                 if fp8:
                     grid += [("fp8_qk", _fp8_qk_kernel, bh, bn, w, s) for bh in (16, 64) for bn in (64, 128, 256)
                              for w in (4, 8) for s in (3, 4)]  # fmt: skip
@@ -315,7 +243,7 @@ def main() -> None:
                 grid = [
                     ("cc", _cc_kernel, 2, bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
                 ]
-                grid += [("tc_even", _tc_even_kernel, 16, bn, 4, s) for bn in (64, 128) for s in (2, 3, 4)]
+                grid += [("tc_even", None, 16, bn, 4, s) for bn in (64, 128) for s in (2, 3, 4)]
             for name, kernel, bh, bn, w, s in grid:
                 row: dict[str, Any] = {
                     "bs": bs,
