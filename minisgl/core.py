@@ -166,3 +166,10 @@ def set_global_ctx(ctx: Context | None) -> None:
 def get_global_ctx() -> Context:
     assert _GLOBAL_CTX is not None, "the engine has not been built in this process"
     return _GLOBAL_CTX
+
+
+def forwarding_prefill() -> bool:
+    """Whether a prefill (or extend) batch is being forwarded now; False outside a forward pass."""
+    ctx = _GLOBAL_CTX
+    batch = ctx._batch if ctx is not None else None
+    return batch is not None and batch.is_prefill

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -22,7 +25,8 @@ from gguf.quants import dequantize, quantize
 from test_gguf import hf_weights, write_tiny_gguf
 from tiny import float_and_quantized_tokens
 
-from minisgl.core import SamplingParams
+from minisgl import core
+from minisgl.core import Batch, Context, SamplingParams, set_global_ctx
 from minisgl.env import ENV
 from minisgl.layers.linear import LinearReplicated
 from minisgl.layers.quant import Int4Weight, Int8Weight
@@ -240,10 +244,49 @@ def test_a_layer_with_both_copies_uses_the_packed_one_for_few_rows_only() -> Non
         packed, floats = layer.qweight.matmul(x), F.linear(x, float_weight)
         assert torch.equal(y, packed if want_packed else floats), rows
         assert not torch.equal(packed, floats)
+    # a prefill (or extend) step takes the float copy whatever its rows: a prompt's first token must not
+    # depend on how much of it was cached
+    x = torch.randn(1, 512, generator=gen)
+    for phase, want_packed in (("prefill", False), ("decode", True)):
+        with _forwarding(phase):
+            assert torch.equal(
+                layer(x), layer.qweight.matmul(x) if want_packed else F.linear(x, float_weight)
+            )
     layer.quantize_(Int8Weight.from_float(float_weight), keep_float=False, max_rows=0)
     assert layer.weight is None
     x = torch.randn(64, 512, generator=gen)
     assert torch.equal(layer(x), layer.qweight.matmul(x))
+
+
+@contextmanager
+def _forwarding(phase: Literal["prefill", "decode"]) -> Iterator[None]:
+    """A forward pass of a `phase` batch, as the engine sets one up, for a layer called by hand."""
+    saved = core._GLOBAL_CTX
+    ctx = Context(page_size=1, kv_cache=None, page_table=torch.zeros(1, 1), attn_backend=None)  # type: ignore[arg-type]
+    set_global_ctx(ctx)
+    try:
+        with ctx.forward_batch(Batch(reqs=[], phase=phase)):
+            yield
+    finally:
+        set_global_ctx(saved)
+
+
+def test_a_cached_prompt_gets_the_same_greedy_answer_as_a_cold_one(monkeypatch) -> None:
+    # The default model with its packed weights beside the floats, as auto picks them where they
+    # measure faster: asked twice, the second time from the prefix cache (a one-row extend), the answer
+    # must not change. Packed steps of few rows used to take that extend and flip a near-tie ("The" at
+    # -1.79 against "L" at -1.92): "The capital of France is Paris." became "L'Étoile, ...".
+    monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: CpuChoice(torch.bfloat16, True, "as the test says"))
+    llm = LLM(max_running_req=4)
+    try:
+        assert llm.engine.model.model.layers[0].mlp.down_proj.qweight is not None
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        cold, cached = (llm.chat([question], greedy)[0] for _ in range(2))
+        assert cold["cached_tokens"] == 0 and cached["cached_tokens"] > 0
+        assert cached["token_ids"] == cold["token_ids"], (cold["text"], cached["text"])
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize(

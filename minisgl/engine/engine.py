@@ -213,7 +213,8 @@ class Engine:
                 or not cpu_choice().packed_weights
             ):
                 return
-            # packed for the few-row steps where they are faster, float for the batches where oneDNN is
+            # packed for the few-row decode steps where they are faster, float for prompts and for the
+            # batches where oneDNN is
             quantization, keep_float = "gguf", True
         if quantization == "gguf" and self.tp_info.size > 1:
             raise ValueError(

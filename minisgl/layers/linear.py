@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.core import forwarding_prefill
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import triton_everywhere
@@ -42,8 +43,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class QuantizableLinear(nn.Module):
     """A layer whose weight [N, K] may also be held packed; `matmul` picks the copy that serves the batch.
 
-    With `keep_float` the float weight stays beside the packed one and batches of more than `max_rows`
-    rows use it; without, the float weight is dropped and every batch uses the packed one.
+    With `keep_float` the float weight stays beside the packed one and serves every prefill (and extend)
+    step and the decode steps of more than `max_rows` rows; without, the float weight is dropped and
+    every batch uses the packed one.
+
+    Why prefill never takes the packed copy, even for one row: a prompt's first new token must not
+    depend on how much of the prompt was cached. A cold prompt is a many-row prefill (float weights);
+    the same prompt found in the prefix cache is a one-row extend. The packed kernels round the
+    activations to int8, which moves a near-tie: the default model's greedy answer to "What is the
+    capital of France?" was "The capital of France is Paris." cold and "L'Étoile, ..." cached.
     """
 
     weight: torch.Tensor | None
@@ -61,7 +69,9 @@ class QuantizableLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # read once: every nn.Module attribute read of a parameter or submodule is a slow lookup
         qweight, weight = self.qweight, self.weight
-        if qweight is None or (weight is not None and x.numel() // x.shape[-1] > self.max_rows):
+        if qweight is None or (
+            weight is not None and (x.numel() // x.shape[-1] > self.max_rows or forwarding_prefill())
+        ):
             assert weight is not None
             return linear(x, weight)
         if x.dim() == 2:

@@ -10,8 +10,8 @@ the activations per row (token) and multiplies with `torch._int_mm`: on a VNNI C
 the bf16 matmul from 8 rows on, at the cost of a coarser rounding (docs/benchmarks.md, "W8A8"). torch's
 CPU kernels are fast only for bf16 activations (float32 ones are 5-30x slower, measured), so
 activations of any other dtype are cast to bf16 around those calls. Where a float copy of the weight is
-kept as well, batches of more than `max_rows` rows use it: the bf16 matmul beats the packed kernels on
-large batches.
+kept as well, prefill steps and batches of more than `max_rows` rows use it: the bf16 matmul beats the
+packed kernels on large batches (`QuantizableLinear` says why prompts take it too).
 """
 
 from __future__ import annotations

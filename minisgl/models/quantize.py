@@ -11,8 +11,9 @@
   as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
   head as int8; layers stored as F32 / F16 / BF16 stay float.
 - "none": the float weights (a GGUF file dequantized).
-- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights, each
-  used where it measured faster (see `minisgl/layers/quant.py`); float everywhere else. Never w8a8:
+- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights: packed
+  for decode steps of up to `PACKED_MAX_ROWS` rows, where it measured faster, float for larger ones and
+  for every prompt (`QuantizableLinear` says why; `minisgl/layers/quant.py`); float everywhere else. Never w8a8:
   faster on batches, but its greedy agreement and perplexity are outside what this default accepts
   (docs/benchmarks.md, "W8A8").
 The embedding lookup always reads the float table: it touches one row per token.
