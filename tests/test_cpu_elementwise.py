@@ -13,6 +13,7 @@ import torch
 from tiny import assert_nothing_held, build_model, random_prompts
 
 from minisgl.core import SamplingParams
+from minisgl.engine.sample import greedy_tokens
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding, _apply
@@ -102,3 +103,21 @@ def test_a_norm_over_mixed_dtypes_keeps_torch_promotion() -> None:
     y, new_residual = norm.forward_with_residual(x, residual)
     assert y.dtype == new_residual.dtype == torch.float32
     assert torch.equal(new_residual, x + residual)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 5), (3, 16), (2, 17), (4, 49152), (5, 1003)])
+@pytest.mark.parametrize("values", ["random", "ties", "nan", "-inf", "strided"])
+def test_greedy_argmax_picks_what_torch_argmax_picks(rows: int, n: int, values: str) -> None:
+    gen = torch.Generator().manual_seed(rows + n)
+    if values == "ties":  # few distinct values: the first of equal maxima, across lanes and the tail
+        x = torch.randint(0, 3, (rows, n), generator=gen).float()
+    elif values == "-inf":
+        x = torch.full((rows, n), float("-inf"))
+    else:
+        x = torch.randn(rows, n, generator=gen)
+    if values == "nan":  # torch counts NaN as the largest: the first NaN wins
+        x[:, n // 2] = float("nan")
+        x[:, n - 1] = float("nan")
+    if values == "strided":  # rows of a wider buffer, as the logits of a prefill's last tokens are
+        x = torch.randn(rows, n + 9, generator=gen)[:, :n]
+    assert torch.equal(greedy_tokens(x), torch.argmax(x, dim=-1).to(torch.int32))

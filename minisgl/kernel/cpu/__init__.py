@@ -104,8 +104,8 @@ def library() -> ctypes.CDLL | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    lib.decode_attention.argtypes = [p, p, p, i32, p, i64, p, p, p, i32, i32, i32, i32, f32, i32]
-    lib.decode_attention.restype = None
+    lib.decode_attention.argtypes = [p, i32, i64, p, p, i32, p, i64, p, p, p, i32, i32, i32, i32, f32, i32]
+    lib.decode_attention.restype = i32
     lib.prefill_attention.argtypes = [
         p,
         i32,
@@ -138,6 +138,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quantize_rows_int8.restype = None
     lib.rescale_int32.argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.rescale_int32.restype = None
+    lib.argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
+    lib.argmax_rows.restype = None
     lib.qlinear_fast.argtypes = []
     lib.qlinear_fast.restype = i32
     lib.quantize_q8_blocks.argtypes = [p, i32, i64, p, p, p, p, i32, i32, i32]
@@ -167,17 +169,24 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; k/v_cache: [slots, Hk, D] float32, bf16 or float8_e4m3fn (read as stored * k_scale
+    """q: [B, Hq, D] float32 or bf16 (heads contiguous; requests may be strided, as views of a qkv
+    projection are); k/v_cache: [slots, Hk, D] float32, bf16 or float8_e4m3fn (read as stored * k_scale
     or v_scale); page_table: [R, W] int32 token slots; rows, lens: [B] int64 -> [B, Hq, D] float32, each
-    query over the first lens[b] slots of its row."""
+    query over the first lens[b] slots of its row. bf16 queries over a bf16 pool are computed as torch's
+    SDPA computes bf16 attention (attention.c says how)."""
     assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
-    q = q.to(torch.float32).contiguous()
-    rows, lens = rows.contiguous(), lens.contiguous()
+    if q.dtype not in FLOAT_KINDS:
+        q = q.to(torch.float32)
     bs, num_q, d = q.shape
-    out = torch.empty_like(q)
-    lib.decode_attention(
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    rows, lens = rows.contiguous(), lens.contiguous()
+    out = torch.empty((bs, num_q, d), dtype=torch.float32)
+    rc = lib.decode_attention(
         q.data_ptr(),
+        FLOAT_KINDS[q.dtype],
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         _KV_KINDS[k_cache.dtype],
@@ -194,6 +203,8 @@ def decode_attention(
         scale * k_scale,
         torch.get_num_threads(),
     )
+    if rc != 0:
+        raise MemoryError("decode attention: out of memory for its scores")
     if v_scale != 1.0:
         out.mul_(v_scale)
     return out
@@ -396,3 +407,13 @@ def rescale_int32(
         torch.get_num_threads(),
     )
     return y
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) as int32 for a float32 [rows, n] CPU tensor whose rows are contiguous."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    out = torch.empty(x.shape[0], dtype=torch.int32)
+    lib.argmax_rows(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out

@@ -2,10 +2,10 @@
 // padded batch): decode (each request's one query over its context) and, further down, prefill.
 //
 // Plain C with OpenMP, called through ctypes: it builds in about a second with gcc and needs no
-// torch headers. Decode: work is split over requests; a token's K (and V) row of every head is read once,
-// contiguously, and the rows a few tokens ahead are prefetched. Rows are handled as 16-float vectors
-// (GCC vector extensions, which the compiler maps to AVX-512, AVX2 or SSE); a head_dim that is not
-// a multiple of 16 takes the scalar loop.
+// torch headers. Decode: work is split over requests; a token's K (and V) row of every head is read once
+// and the rows ahead are prefetched. Rows are handled as 16-float vectors (GCC vector extensions, which the
+// compiler maps to AVX-512, AVX2 or SSE; a head_dim that is not a multiple of 16 takes the scalar loop), or,
+// for bf16 queries over a bf16 pool where the CPU has AVX512-BF16, as bf16 pairs in AVX-512 intrinsics.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,6 +13,18 @@
 
 #include "bf16.h"
 #include "kernels.h"
+
+// `vdpbf16ps` (two bf16 products a lane an instruction, each exact in float32) where the CPU has AVX512-BF16
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+
+// for the loops whose bounds each call site makes constants: inlined, they unroll and keep their
+// accumulators in registers
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
@@ -95,99 +107,366 @@ static inline v16f exp16(v16f x) {
 // row is a cache miss that the hardware prefetcher cannot foresee.
 #define PREFETCH_AHEAD 8
 
-// q: [B, Hq, D] float32; k, v: [slots, Hk, D] of kv_kind (KV_F32, KV_BF16, KV_FP8_E4M3); page_table: [rows, pt_stride] int32
-// token slots; rows, lens: [B] int64; out: [B, Hq, D] float32.
-void decode_attention(const float *q, const void *k, const void *v, int kv_kind, const int32_t *page_table,
-                      int64_t pt_stride, const int64_t *rows, const int64_t *lens, float *out, int B, int Hq,
-                      int Hk, int D, float scale, int num_threads) {
+// q: [B, Hq, D] float32 (q_kind 0) or bf16 (1), requests q_stride elements apart, heads contiguous; k, v:
+// [slots, Hk, D] of kv_kind (KV_F32, KV_BF16, KV_FP8_E4M3); page_table: [rows, pt_stride] int32 token slots;
+// rows, lens: [B] int64; out: [B, Hq, D] float32.
+//
+// Two passes over each request's context: the scores of all its query heads (K read once), their softmax,
+// then the products with V (V read once); the scores of one request sit in a per-thread buffer.
+//
+// bf16 queries over a bf16 pool compute what torch's SDPA computes for bf16, as the prefill kernel does (below):
+// the probabilities rounded to bf16 for the product with V. With D % 32 == 0, where the CPU has AVX512-BF16,
+// they take decode_bf16: q.k and p.v by `vdpbf16ps`. Everything else takes decode_f32: float32 FMAs on rows
+// widened from the pool, its probabilities rounded only for bf16 queries over a bf16 pool; float32 queries
+// (a float32 model's, whose tokens are checked against transformers) keep float32 throughout.
+
+// per thread: one request's scores and probabilities, and its queries in the layout its path reads
+typedef struct {
+    float *scores;    // [Hq, lp] scores, then probabilities (decode_f32)
+    uint32_t *pairs;  // [Hq, lp / 2] decode_bf16: the bf16 probabilities of tokens 2i and 2i + 1 as one word
+    float *qf;        // [Hq, D] decode_f32: bf16 queries widened
+    uint32_t *qb;     // [Hq, D / 8, 16] decode_bf16: each 4 bf16 pairs of q repeated in the 4 128-bit blocks
+    uint16_t *zeros;  // [Hk, D] decode_bf16: the row read in place of a token past the context
+    float *acc;       // [Hq, D] decode_bf16: the outputs' sums, in dec_values' order of d
+    float *inv;       // [Hq] decode_bf16: 1 / the softmax's sum
+} dec_scratch;
+
+static void decode_f32(const float *qb, const void *k, const void *v, int kv_kind, const int32_t *slots, int64_t L,
+                       float *ob, int Hq, int Hk, int D, float scale, int round_p, float *scores) {
     const int G = Hq / Hk, vec = D % 16 == 0, nv = D / 16, esize = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1;
     const int64_t row_bytes = (int64_t)Hk * D * esize;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int b = 0; b < B; ++b) {
-        const int64_t L = lens[b];
-        const int32_t *slots = page_table + rows[b] * pt_stride;
-        const float *qb = q + (int64_t)b * Hq * D;
-        float *ob = out + (int64_t)b * Hq * D;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(Hq * L));
-        // scores[j, t] = q_j . k_t * scale, every head of a token's row at once (one contiguous read)
-        for (int64_t t = 0; t < L; ++t) {
-            if (t + PREFETCH_AHEAD < L) {
-                const char *next = (const char *)k + (int64_t)slots[t + PREFETCH_AHEAD] * row_bytes;
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
-            }
-            for (int h = 0; h < Hk; ++h) {
-                const int64_t base = ((int64_t)slots[t] * Hk + h) * D;
-                if (vec && nv <= 8) {
-                    // the head's K vectors widened once for its G queries
-                    v16f kv[8];
-                    for (int c = 0; c < nv; ++c) kv[c] = load16(k, base + 16 * c, kv_kind);
-                    for (int g = 0; g < G; ++g) {
-                        const int j = h * G + g;
-                        const float *qj = qb + (int64_t)j * D;
-                        v16f acc = *(const v16f *)qj * kv[0];
-                        for (int c = 1; c < nv; ++c) acc += *(const v16f *)(qj + 16 * c) * kv[c];
-                        scores[j * L + t] = hsum(acc) * scale;
-                    }
-                    continue;
-                }
+    // scores[j, t] = q_j . k_t * scale, every head of a token's row at once (one contiguous read)
+    for (int64_t t = 0; t < L; ++t) {
+        if (t + PREFETCH_AHEAD < L) {
+            const char *next = (const char *)k + (int64_t)slots[t + PREFETCH_AHEAD] * row_bytes;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+        }
+        for (int h = 0; h < Hk; ++h) {
+            const int64_t base = ((int64_t)slots[t] * Hk + h) * D;
+            if (vec && nv <= 8) {
+                // the head's K vectors widened once for its G queries
+                v16f kv[8];
+                for (int c = 0; c < nv; ++c) kv[c] = load16(k, base + 16 * c, kv_kind);
                 for (int g = 0; g < G; ++g) {
                     const int j = h * G + g;
                     const float *qj = qb + (int64_t)j * D;
-                    float s = 0.f;
-                    if (vec) {
-                        v16f acc = {0};
-                        for (int c = 0; c < nv; ++c)
-                            acc += *(const v16f *)(qj + 16 * c) * load16(k, base + 16 * c, kv_kind);
-                        s = hsum(acc);
-                    } else {
-                        for (int d = 0; d < D; ++d) s += qj[d] * load1(k, base + d, kv_kind);
-                    }
-                    scores[j * L + t] = s * scale;
+                    v16f acc = *(const v16f *)qj * kv[0];
+                    for (int c = 1; c < nv; ++c) acc += *(const v16f *)(qj + 16 * c) * kv[c];
+                    scores[j * L + t] = hsum(acc) * scale;
                 }
+                continue;
             }
-        }
-        for (int j = 0; j < Hq; ++j) {
-            float *sj = scores + j * L, m = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < L; ++t) m = sj[t] > m ? sj[t] : m;
-            int64_t t = 0;
-            for (; t + 16 <= L; t += 16) {
-                const v16f e = exp16(*(v16f *)(sj + t) - m);
-                *(v16f *)(sj + t) = e;
-                sum += hsum(e);
-            }
-            for (; t < L; ++t) {
-                sj[t] = expf(sj[t] - m);
-                sum += sj[t];
-            }
-            const float inv = 1.f / sum;
-            for (t = 0; t < L; ++t) sj[t] *= inv;
-        }
-        memset(ob, 0, sizeof(float) * (size_t)(Hq * D));
-        // out_j = sum_t p[j, t] v_t
-        for (int64_t t = 0; t < L; ++t) {
-            if (t + PREFETCH_AHEAD < L) {
-                const char *next = (const char *)v + (int64_t)slots[t + PREFETCH_AHEAD] * row_bytes;
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
-            }
-            for (int h = 0; h < Hk; ++h) {
-                const int64_t base = ((int64_t)slots[t] * Hk + h) * D;
-                float *oh = ob + (int64_t)h * G * D;
-                const float *ph = scores + (int64_t)h * G * L + t;
+            for (int g = 0; g < G; ++g) {
+                const int j = h * G + g;
+                const float *qj = qb + (int64_t)j * D;
+                float s = 0.f;
                 if (vec) {
-                    for (int c = 0; c < nv; ++c) {
-                        const v16f vr = load16(v, base + 16 * c, kv_kind);
-                        for (int g = 0; g < G; ++g) *(v16f *)(oh + (int64_t)g * D + 16 * c) += ph[g * L] * vr;
-                    }
+                    v16f acc = {0};
+                    for (int c = 0; c < nv; ++c)
+                        acc += *(const v16f *)(qj + 16 * c) * load16(k, base + 16 * c, kv_kind);
+                    s = hsum(acc);
                 } else {
-                    for (int d = 0; d < D; ++d) {
-                        const float vr = load1(v, base + d, kv_kind);
-                        for (int g = 0; g < G; ++g) oh[(int64_t)g * D + d] += ph[g * L] * vr;
-                    }
+                    for (int d = 0; d < D; ++d) s += qj[d] * load1(k, base + d, kv_kind);
+                }
+                scores[j * L + t] = s * scale;
+            }
+        }
+    }
+    for (int j = 0; j < Hq; ++j) {
+        float *sj = scores + j * L, m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) m = sj[t] > m ? sj[t] : m;
+        int64_t t = 0;
+        for (; t + 16 <= L; t += 16) {
+            const v16f e = exp16(*(v16f *)(sj + t) - m);
+            *(v16f *)(sj + t) = e;
+            sum += hsum(e);
+        }
+        for (; t < L; ++t) {
+            sj[t] = expf(sj[t] - m);
+            sum += sj[t];
+        }
+        const float inv = 1.f / sum;
+        for (t = 0; t < L; ++t) sj[t] = (round_p ? bf2f(f2bf(sj[t])) : sj[t]) * inv;
+    }
+    memset(ob, 0, sizeof(float) * (size_t)(Hq * D));
+    // out_j = sum_t p[j, t] v_t
+    for (int64_t t = 0; t < L; ++t) {
+        if (t + PREFETCH_AHEAD < L) {
+            const char *next = (const char *)v + (int64_t)slots[t + PREFETCH_AHEAD] * row_bytes;
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+        }
+        for (int h = 0; h < Hk; ++h) {
+            const int64_t base = ((int64_t)slots[t] * Hk + h) * D;
+            float *oh = ob + (int64_t)h * G * D;
+            const float *ph = scores + (int64_t)h * G * L + t;
+            if (vec) {
+                for (int c = 0; c < nv; ++c) {
+                    const v16f vr = load16(v, base + 16 * c, kv_kind);
+                    for (int g = 0; g < G; ++g) *(v16f *)(oh + (int64_t)g * D + 16 * c) += ph[g * L] * vr;
+                }
+            } else {
+                for (int d = 0; d < D; ++d) {
+                    const float vr = load1(v, base + d, kv_kind);
+                    for (int g = 0; g < G; ++g) oh[(int64_t)g * D + d] += ph[g * L] * vr;
                 }
             }
         }
-        free(scores);
     }
+}
+
+// Rows in flight for decode_bf16, which computes faster than memory hands it rows (each a miss that the hardware
+// prefetcher cannot foresee, as slots are scattered). A cursor goes over the rows a thread reads in the order it
+// reads them (a request's K rows, then its V rows, then the next request's), DEC_AHEAD rows in front of the
+// loops, which move it a tile's rows at a time spread over the tile's heads. On 64 requests of 32-160 tokens,
+// their K/V out of the caches, a layer takes within ~10% of a loop that only reads the same rows in that order.
+#define DEC_AHEAD 32
+
+typedef struct {
+    const char *k, *v;
+    const int32_t *page_table;
+    const int64_t *rows, *lens;
+    int64_t pt_stride, row_bytes;
+    int64_t t;         // the token under the cursor
+    int b, b1, phase;  // its request (b1: past the chunk's last), in its K rows (phase 0) or V rows (1)
+} dec_cursor;
+
+// prefetches the next n rows under the cursor and moves it past them
+static inline void dec_prefetch(dec_cursor *c, int n) {
+    for (int i = 0; i < n; ++i) {
+        while (c->b < c->b1 && c->t == c->lens[c->b]) {
+            c->t = 0;
+            c->phase ^= 1;
+            if (!c->phase) ++c->b;
+        }
+        if (c->b == c->b1) return;
+        const int64_t slot = c->page_table[c->rows[c->b] * c->pt_stride + c->t++];
+        const char *r = (c->phase ? c->v : c->k) + slot * c->row_bytes;
+        for (int64_t off = 0; off < c->row_bytes; off += 64) __builtin_prefetch(r + off);
+    }
+}
+
+#if BF16_DOT
+// a + b reduced a level of a transposing tree: where mask m is clear the lanes of a, where set those of b, each
+// plus its partner lane `swap` away (a _mm512_permute_ps pattern)
+#define DEC_FOLD(a, b, m, swap) \
+    _mm512_add_ps(_mm512_mask_blend_ps(m, a, b), _mm512_permute_ps(_mm512_mask_blend_ps(m, b, a), swap))
+
+// Scores of 16 tokens with ng <= 4 query heads of one KV head: st[g * ls + i] = q_g . k_i * scale, -inf for the
+// tokens past `valid`. Sums across lanes are what a q.k dot costs most; here they are shared: the rows go in
+// fours, transposed by 128-bit blocks (8 bf16) so that a vector holds one block of each of 4 rows, and its
+// product with the same block of q (repeated in all 4: qb) leaves 4 partial sums of each of 4 tokens in their
+// own block; the 4 vectors of 16 tokens then fold into one in two levels. rows: the 16 tokens' rows in the order
+// that the folds leave them in token order: rows[4 a + i] is token 4 i + {0, 2, 1, 3}[a]; read from off on.
+ALWAYS_INLINE void dec_scores16(const uint16_t *const rows[16], int64_t off, const __m512i *qb, int64_t qs, int nz,
+                                float scale, __mmask16 valid, float *st, int64_t ls, int ng) {
+    __m512 acc[4][4];
+    for (int a = 0; a < 4; ++a)
+        for (int g = 0; g < ng; ++g) acc[a][g] = _mm512_setzero_ps();
+    for (int c = 0; c < nz; ++c) {
+#pragma GCC unroll 4
+        for (int a = 0; a < 4; ++a) {
+            const int64_t o = off + 32 * c;
+            const __m512i r0 = _mm512_loadu_si512(rows[4 * a] + o), r1 = _mm512_loadu_si512(rows[4 * a + 1] + o);
+            const __m512i r2 = _mm512_loadu_si512(rows[4 * a + 2] + o), r3 = _mm512_loadu_si512(rows[4 * a + 3] + o);
+            const __m512i t0 = _mm512_shuffle_i32x4(r0, r1, 0x44), t1 = _mm512_shuffle_i32x4(r0, r1, 0xee);
+            const __m512i t2 = _mm512_shuffle_i32x4(r2, r3, 0x44), t3 = _mm512_shuffle_i32x4(r2, r3, 0xee);
+            const __m512i x[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xdd),
+                                  _mm512_shuffle_i32x4(t1, t3, 0x88), _mm512_shuffle_i32x4(t1, t3, 0xdd)};
+#pragma GCC unroll 4
+            for (int g = 0; g < ng; ++g)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j)
+                    acc[a][g] = _mm512_dpbf16_ps(acc[a][g], (__m512bh)x[j], (__m512bh)qb[g * qs + 4 * c + j]);
+        }
+    }
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), s = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+    for (int g = 0; g < ng; ++g) {
+        const __m512 lo = DEC_FOLD(acc[0][g], acc[1][g], 0xcccc, 0x4e);
+        const __m512 hi = DEC_FOLD(acc[2][g], acc[3][g], 0xcccc, 0x4e);
+        const __m512 sum = DEC_FOLD(lo, hi, 0xaaaa, 0xb1);
+        _mm512_storeu_ps(st + g * ls, _mm512_mask_mul_ps(neg_inf, valid, sum, s));
+    }
+}
+
+// acc[g][...] += sum over np pairs of tokens of p[g][pair] . (v_2i, v_2i+1) for ng <= 4 query heads and nz <= 2
+// vectors of 32 bf16 of V (from the rows' offset on): V's rows interleaved to (v_2i[d], v_2i+1[d]) words, dotted
+// with the pair's probability word. Interleaving by 128-bit blocks leaves d in the order 0-3, 8-11, ... (the
+// unpacklo half, acc[g][2c]) and 4-7, 12-15, ... (unpackhi, acc[g][2c + 1]); dec_finish puts it back.
+ALWAYS_INLINE void dec_values(const uint16_t *const *rows, int np, int64_t off, const uint32_t *pairs, int64_t ps,
+                              float *acc, int64_t as, int nz, int ng) {
+    __m512 a[4][4];
+    for (int g = 0; g < ng; ++g)
+        for (int c = 0; c < 2 * nz; ++c) a[g][c] = _mm512_loadu_ps(acc + g * as + 16 * c);
+    for (int i = 0; i < np; ++i) {
+#pragma GCC unroll 2
+        for (int c = 0; c < nz; ++c) {
+            const __m512i x = _mm512_loadu_si512(rows[2 * i] + off + 32 * c);
+            const __m512i y = _mm512_loadu_si512(rows[2 * i + 1] + off + 32 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 4
+            for (int g = 0; g < ng; ++g) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pairs[g * ps + i]);
+                a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], lo, p);
+                a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], hi, p);
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int c = 0; c < 2 * nz; ++c) _mm512_storeu_ps(acc + g * as + 16 * c, a[g][c]);
+}
+
+// out[d] = acc's row (dec_values' order, D floats) in the order of d, times w
+static inline void dec_finish(const float *acc, float w, int D, float *out) {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 s = _mm512_set1_ps(w);
+    for (int c = 0; c < D; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), s));
+        _mm512_storeu_ps(out + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), s));
+    }
+}
+
+// calls `fn(..., ng)` with ng = the call's number of query heads, 1 to 4, a constant in each call
+#define DEC_HEADS(n, fn, ...)               \
+    switch (n) {                            \
+        case 1: fn(__VA_ARGS__, 1); break;  \
+        case 2: fn(__VA_ARGS__, 2); break;  \
+        case 3: fn(__VA_ARGS__, 3); break;  \
+        default: fn(__VA_ARGS__, 4); break; \
+    }
+
+// bf16 q (heads contiguous) over a bf16 pool, D % 32 == 0. q.k of bf16 pairs summed in float32 (each product
+// exact); the probabilities exp(s - max) rounded to bf16 for the product with V, the sum dividing the output
+// taken before the rounding: what torch's SDPA computes for bf16 up to a context of 512 (its block of keys),
+// the order of the float32 sums aside. Both passes go a tile of 16 tokens at a time, all heads of a tile
+// together, so that the rows are read in the cursor's order.
+static void decode_bf16(const uint16_t *qb, const uint16_t *k, const uint16_t *v, const int32_t *slots, int64_t L,
+                        float *ob, int Hq, int Hk, int D, float scale, dec_scratch *s, dec_cursor *cur) {
+    const int G = Hq / Hk, nz = D / 32, qs = D / 8;
+    const int64_t row = (int64_t)Hk * D, lp = (L + 15) / 16 * 16;
+    __m512i *qv = (__m512i *)s->qb;
+    for (int j = 0; j < Hq; ++j)
+        for (int i = 0; i < qs; ++i)
+            qv[j * qs + i] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(qb + (int64_t)j * D + 8 * i)));
+    // the order in which dec_scores16 takes a tile's rows
+    static const int order[16] = {0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15};
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? (int)(L - t0) : 16;
+        const uint16_t *rows[16];
+        for (int i = 0; i < 16; ++i) rows[i] = order[i] < n ? k + slots[t0 + order[i]] * row : s->zeros;
+        for (int h = 0; h < Hk; ++h) {
+            // this tile's share of the prefetches, spread over its heads
+            dec_prefetch(cur, (int)((int64_t)n * (h + 1) / Hk - (int64_t)n * h / Hk));
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int j = h * G + g0;
+                DEC_HEADS(G - g0, dec_scores16, rows, h * D, qv + (int64_t)j * qs, qs, nz, scale,
+                          (__mmask16)((1u << n) - 1), s->scores + j * lp + t0, lp)
+            }
+        }
+    }
+    for (int j = 0; j < Hq; ++j) {
+        const float *sj = s->scores + j * lp;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sj + t));
+        const v16f mx = (v16f)_mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < lp; t += 16) {
+            // past the context the scores are -inf, which exp16 takes to a tiny number, not zero
+            const __mmask16 valid = L - t < 16 ? (__mmask16)((1u << (L - t)) - 1) : 0xffff;
+            const __m512 p = _mm512_maskz_mov_ps(valid, (__m512)exp16(*(const v16f *)(sj + t) - mx));
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256((__m256i *)(s->pairs + j * lp / 2 + t / 2), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        s->inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    memset(s->acc, 0, sizeof(float) * (size_t)Hq * D);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? (int)(L - t0) : 16;
+        // an odd last token's pair: zeros (its slot may hold anything, NaN included), times a probability of zero
+        const uint16_t *rows[17];
+        for (int i = 0; i < n; ++i) rows[i] = v + slots[t0 + i] * row;
+        rows[n] = s->zeros;
+        for (int h = 0; h < Hk; ++h) {
+            // this tile's share of the prefetches, spread over its heads
+            dec_prefetch(cur, (int)((int64_t)n * (h + 1) / Hk - (int64_t)n * h / Hk));
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int j = h * G + g0;
+                for (int c0 = 0; c0 < D; c0 += 64)
+                    DEC_HEADS(G - g0, dec_values, rows, (n + 1) / 2, h * D + c0, s->pairs + j * lp / 2 + t0 / 2,
+                              lp / 2, s->acc + j * D + c0, D, D - c0 >= 64 ? 2 : 1)
+            }
+        }
+    }
+    for (int j = 0; j < Hq; ++j) dec_finish(s->acc + j * D, s->inv[j], D, ob + (int64_t)j * D);
+}
+#endif
+
+int decode_attention(const void *q, int q_kind, int64_t q_stride, const void *k, const void *v, int kv_kind,
+                     const int32_t *page_table, int64_t pt_stride, const int64_t *rows, const int64_t *lens, float *out,
+                     int B, int Hq, int Hk, int D, float scale, int num_threads) {
+    const int bf16 = BF16_DOT && q_kind == 1 && kv_kind == KV_BF16 && D % 32 == 0;
+    int64_t lmax = 0;
+    for (int b = 0; b < B; ++b) lmax = lens[b] > lmax ? lens[b] : lmax;
+    const int64_t lp = (lmax + 15) / 16 * 16;
+    // a thread goes through a chunk of requests in order, its prefetches running ahead from one request into the
+    // next; with several threads, four chunks a thread even out requests of different lengths
+    const int chunk = num_threads > 1 ? (B + 4 * num_threads - 1) / (4 * num_threads) : B > 0 ? B : 1;
+    const int nchunks = (B + chunk - 1) / chunk;
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads) if (nchunks > 1)
+    {
+        // floats: qb, scores, pairs, qf, acc, inv; then the zero row
+        const size_t floats = (size_t)Hq * (2 * D + lp + lp / 2 + D + D + 1);
+        float *mem = aligned_alloc(64, (floats * 4 + (size_t)Hk * D * 2 + 63) / 64 * 64);
+        if (!mem) {
+#pragma omp atomic write
+            rc = -2;
+        }
+        dec_scratch s = {0};
+        if (mem) {
+            s.qb = (uint32_t *)mem;
+            s.scores = mem + (size_t)Hq * 2 * D;
+            s.pairs = (uint32_t *)(s.scores + (size_t)Hq * lp);
+            s.qf = (float *)(s.pairs + (size_t)Hq * lp / 2);
+            s.acc = s.qf + (size_t)Hq * D;
+            s.inv = s.acc + (size_t)Hq * D;
+            s.zeros = (uint16_t *)(s.inv + Hq);
+            memset(s.zeros, 0, sizeof(uint16_t) * (size_t)Hk * D);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int c = 0; c < nchunks; ++c) {
+            const int b1 = (c + 1) * chunk < B ? (c + 1) * chunk : B;
+            dec_cursor cur = {k, v, page_table, rows, lens, pt_stride, (int64_t)Hk * D * 2, 0, c * chunk, b1, 0};
+            if (bf16) dec_prefetch(&cur, DEC_AHEAD);
+            for (int b = c * chunk; b < b1 && mem; ++b) {
+                const int32_t *slots = page_table + rows[b] * pt_stride;
+                const void *qb = (const char *)q + (int64_t)b * q_stride * (q_kind == 1 ? 2 : 4);
+                float *ob = out + (int64_t)b * Hq * D;
+                if (lens[b] <= 0) {
+                    // nothing to attend to: zeros, where the softmax's sum would divide by zero
+                    memset(ob, 0, sizeof(float) * (size_t)Hq * D);
+                    continue;
+                }
+#if BF16_DOT
+                if (bf16) {
+                    decode_bf16(qb, k, v, slots, lens[b], ob, Hq, Hk, D, scale, &s, &cur);
+                    continue;
+                }
+#endif
+                const float *qf = qb;
+                if (q_kind == 1) {
+                    for (int i = 0; i < Hq * D; ++i) s.qf[i] = bf2f(((const uint16_t *)qb)[i]);
+                    qf = s.qf;
+                }
+                decode_f32(qf, k, v, kv_kind, slots, lens[b], ob, Hq, Hk, D, scale, q_kind == 1 && kv_kind == KV_BF16,
+                           s.scores);
+            }
+        }
+        free(mem);
+    }
+    return rc;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -213,36 +492,28 @@ void decode_attention(const float *q, const void *k, const void *v, int kv_kind,
 // against float64 is 7.3e-4 against 6.5e-4 rounding float32 ones) and keeps the bf16 model's near-ties
 // where the torch path put them: measured on 500 tokens of random data, 98% of the outputs equal SDPA's
 // bit for bit, 79% without it.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PF_BF16_DOT 1
-#else
-#define PF_BF16_DOT 0
-#endif
 
 // keys a tile: SDPA's block of keys, whose maximum the rounded probabilities are relative to; query rows a
 // block aims at (tokens times the group's heads): a 500-token prompt still gives dozens of blocks to share
 #define PF_BK 512
 #define PF_ROWS 96
 
-#define PF_INLINE static inline __attribute__((always_inline))
-
 typedef uint32_t v16w __attribute__((vector_size(64), aligned(4)));
 
-PF_INLINE v16f vmax(v16f a, v16f b) {
+ALWAYS_INLINE v16f vmax(v16f a, v16f b) {
     const v16i gt = a > b;
     return (v16f)((gt & (v16i)a) | (~gt & (v16i)b));
 }
 
 // 16 floats rounded to bf16 (to nearest even, as f2bf; no NaN here), kept in the words' high halves
-PF_INLINE v16w round_bf16(v16f x) {
+ALWAYS_INLINE v16w round_bf16(v16f x) {
     v16w u;
     memcpy(&u, &x, sizeof u);
     return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
 
 // st[j][m0 : m0 + 16 nv] for the 4 keys j0..j0+3 = sum over d of kt[j][d] * qt[d][m], float32
-PF_INLINE void pf_scores_f32(const float *qt, const float *kt, float *st, int ld, int D, int j0, int m0, int nv) {
+ALWAYS_INLINE void pf_scores_f32(const float *qt, const float *kt, float *st, int ld, int D, int j0, int m0, int nv) {
     v16f acc[4][4];
     for (int j = 0; j < 4; ++j)
         for (int c = 0; c < nv; ++c) acc[j][c] = (v16f){0};
@@ -259,8 +530,8 @@ PF_INLINE void pf_scores_f32(const float *qt, const float *kt, float *st, int ld
 }
 
 // o[m][c0 : c0 + 16 nv] of rows m0..m0+3 = alpha[m] o[m] + sum over the tile's n keys of p[j][m] v[j], float32
-PF_INLINE void pf_values_f32(float *o, const float *st, const float *vt, const float *alpha, int ld, int D, int n,
-                             int m0, int c0, int nv) {
+ALWAYS_INLINE void pf_values_f32(float *o, const float *st, const float *vt, const float *alpha, int ld, int D, int n,
+                                 int m0, int c0, int nv) {
     v16f acc[4][4];
     for (int r = 0; r < 4; ++r)
         for (int c = 0; c < nv; ++c) acc[r][c] = *(const v16f *)(o + (int64_t)(m0 + r) * D + c0 + 16 * c) * alpha[m0 + r];
@@ -281,9 +552,9 @@ PF_INLINE void pf_values_f32(float *o, const float *st, const float *vt, const f
 //                            + sum over p < np of the pair products of x[p * xs + 16 c ...] and w[a][p * ws],
 // x and w holding bf16 pairs as words. Scores: x = qt (pairs of d), w[a] = key a's row; values: x = V's rows
 // in pairs of keys, w[a] = row a's probabilities in pairs of keys.
-#if PF_BF16_DOT
-PF_INLINE void pf_dot2(const uint32_t *x, int64_t xs, const uint32_t *const w[4], int64_t ws, int np, float *out,
-                       int64_t os, const float *alpha, int nv) {
+#if BF16_DOT
+ALWAYS_INLINE void pf_dot2(const uint32_t *x, int64_t xs, const uint32_t *const w[4], int64_t ws, int np, float *out,
+                           int64_t os, const float *alpha, int nv) {
     v16f acc[4][4];
     for (int a = 0; a < 4; ++a)
         for (int c = 0; c < nv; ++c) acc[a][c] = alpha ? *(const v16f *)(out + a * os + 16 * c) * alpha[a] : (v16f){0};

@@ -49,12 +49,12 @@ int decode_layers(const ql_model *model, const ql_layer *layers, uint16_t *x, ui
                   int threads) {
     const int H = model->H, I = model->I, Hq = model->Hq, Hk = model->Hk, D = model->D;
     const int nqkv = (Hq + 2 * Hk) * D;
-    // bf16 scratch: the norm's output, q|k|v, the attention's output, gate|up, SiLU * up; float32: q, out
+    // bf16 scratch: the norm's output, q|k|v, the attention's output, gate|up, SiLU * up; float32: its output
     const size_t halves = (size_t)M * (H + nqkv + Hq * D + 2 * I + I);
-    const size_t floats = (size_t)M * Hq * D * 2;
+    const size_t floats = (size_t)M * Hq * D;
     char *scratch = malloc(halves * 2 + floats * 4 + 64);
     if (!scratch) return -2;
-    float *qf = (float *)scratch, *attn = qf + (size_t)M * Hq * D;
+    float *attn = (float *)scratch;
     uint16_t *h = (uint16_t *)(attn + (size_t)M * Hq * D), *qkv = h + (size_t)M * H;
     uint16_t *attn_h = qkv + (size_t)M * nqkv, *gu = attn_h + (size_t)M * Hq * D, *act = gu + (size_t)M * 2 * I;
     int rc = 0;
@@ -69,10 +69,10 @@ int decode_layers(const ql_model *model, const ql_layer *layers, uint16_t *x, ui
         for (int m = 0; m < M; ++m) {
             memcpy(L->k_cache + out_loc[m] * Hk * D, k + (size_t)m * nqkv, sizeof(uint16_t) * Hk * D);
             memcpy(L->v_cache + out_loc[m] * Hk * D, v + (size_t)m * nqkv, sizeof(uint16_t) * Hk * D);
-            for (int i = 0; i < Hq * D; ++i) qf[(size_t)m * Hq * D + i] = bf2f(q[(size_t)m * nqkv + i]);
         }
-        decode_attention(qf, L->k_cache, L->v_cache, 1, model->page_table, model->pt_stride, rows, lens, attn, M,
-                         Hq, Hk, D, model->attn_scale, threads);
+        if ((rc = decode_attention(q, 1, nqkv, L->k_cache, L->v_cache, 1, model->page_table, model->pt_stride, rows,
+                                   lens, attn, M, Hq, Hk, D, model->attn_scale, threads)))
+            break;
         for (size_t i = 0; i < (size_t)M * Hq * D; ++i) attn_h[i] = f2bf(attn[i]);
         if ((rc = ql_linear(&L->o, attn_h, x, M, threads))) break;
         rms_norm_bf16(x, residual, h, residual, L->post_norm, M, H, H, model->eps, threads);
