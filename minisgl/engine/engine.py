@@ -135,10 +135,9 @@ class Engine:
         self.compiled_decode = CompiledDecode(
             self.model.forward, self.device, self.attn_backend, self.tp_info.size
         )
-        if self.device.type == "cuda":
-            start = time.perf_counter()
-            warm_up(self)
-            logger.info_rank0(f"warm-up compiled the kernels in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+        warm_up(self)
+        logger.info_rank0(f"warm-up ran the first steps in {time.perf_counter() - start:.1f} s")
         # captured last: the model, the pool and the backend exist, and the warm-up compiles the kernels
         self.graph_runner.capture(self.stream)
         logger.info_rank0(
@@ -389,6 +388,8 @@ class Engine:
             torch.cuda.synchronize(self.device)
         if self.tp_info.size > 1:
             _destroy_process_group()
+        if hasattr(self, "kv_cache"):
+            self.kv_cache.close()
         for name in (
             "model",
             "kv_cache",

@@ -1,5 +1,11 @@
-"""The start-up warm-up on CUDA: a few tiny steps that reach every Triton kernel variant a workload reaches,
-so that the first request runs at full speed instead of waiting for compilation.
+"""The start-up warm-up: a few tiny steps that reach every kernel variant a workload reaches, so that the
+first request runs at full speed instead of waiting for compilation.
+
+On a CPU there is no Triton, but a process's first steps still pay once for what later steps reuse
+(oneDNN's bf16 matmul kernels, the C kernels' library, the C decode step's tables): a first 32-token
+prompt of the default model took 314 ms to prefill against 35 ms for the next one, and its first
+request ran at 157 tok/s against 230. The warm-up's 0.4 s at start takes that off the first request.
+On CUDA:
 
 Triton compiles a kernel once per combination of its constexpr values, its dtypes, and what it
 specialises the other arguments on: an integer equal to 1 or divisible by 16, a pointer aligned to

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from minisgl.kvcache.prefault import PoolPrefaulter
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; the cast itself does not saturate
 
@@ -92,6 +94,21 @@ class MHAKVCache:
             raise ValueError(f"one K and one V scale per layer are needed: {num_layers} layers")
         self.k_scale = torch.tensor(self.k_scales, dtype=torch.float32, device=device)
         self.v_scale = torch.tensor(self.v_scales, dtype=torch.float32, device=device)
+        # a CPU pool's memory is mapped ahead of the pages in use, off the step's path (prefault.py says why)
+        self.prefaulter = (
+            PoolPrefaulter([self.k_buffer, self.v_buffer], num_pages, page_size)
+            if device.type == "cpu"
+            else None
+        )
+
+    def will_use(self, page: int) -> None:
+        """The scheduler has handed out `page` (pages go lowest first): map a CPU pool's memory ahead of it."""
+        if self.prefaulter is not None:
+            self.prefaulter.advance(page)
+
+    def close(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.close()
 
     @staticmethod
     def bytes_per_page(

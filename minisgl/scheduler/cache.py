@@ -6,7 +6,7 @@ request (the pages of its row that the cache does not own). `check_integrity` as
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +38,14 @@ class RowPages:
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor, cache_type: str) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        page_table: torch.Tensor,
+        cache_type: str,
+        will_use: Callable[[int], None] | None = None,
+    ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.page_table = page_table
@@ -50,6 +57,9 @@ class CacheManager:
         self._lazy_depth = 0
         self._lazy_freed: list[int] = []
         self._offsets = torch.arange(page_size, dtype=torch.int32)
+        # told each time a page above every page handed out so far is handed out (the pool maps ahead)
+        self._will_use = will_use
+        self._highest = -1
 
     # ---- admission -------------------------------------------------------------------------
     @property
@@ -96,7 +106,12 @@ class CacheManager:
             self.free_pages.extend(self.prefix_cache.evict(max(1, self.num_pages // 64)))
         if not self.free_pages:
             raise RuntimeError("KV pool exhausted: admission control let in more than fits (a bug)")
-        return self.free_pages.pop()
+        page = self.free_pages.pop()
+        if page > self._highest:
+            self._highest = page
+            if self._will_use is not None:
+                self._will_use(page)
+        return page
 
     def _write_rows(self, writes: list[tuple[int, int, int]]) -> None:
         """page_table[row, index*page_size + o] = page*page_size + o for each (row, index, page)."""

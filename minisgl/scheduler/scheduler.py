@@ -48,7 +48,11 @@ class Scheduler(SchedulerIOMixin):
 
         self.table_manager = TableManager(config.max_running_req, self.engine.token_pool)
         self.cache_manager = CacheManager(
-            self.engine.num_pages, config.page_size, self.engine.page_table, config.cache_type
+            self.engine.num_pages,
+            config.page_size,
+            self.engine.page_table,
+            config.cache_type,
+            will_use=self.engine.kv_cache.will_use,
         )
         self.decode_manager = DecodeManager(config.page_size)
         self.prefill_manager = PrefillManager(
