@@ -7,7 +7,7 @@ from a hash of (seed, step, i). Taking logs, that is argmax l_i / T - log(-log U
 gives the same noise on both paths.
 
 The filters keep a set of the form {i : l_i / T >= threshold}, so each row needs one number, found on
-the device (`_threshold_kernel`): from the row's top tokens, gathered into a window and sorted, or for
+the device (`filter_thresholds`): from the row's top tokens, gathered into a window and sorted, or for
 a flat row whose kept set does not fit the window, from an exact search over the whole row. Nothing is
 read back to the host and no shape depends on the data, so a filtered batch keeps the overlap loop's
 pipelining.
@@ -128,6 +128,8 @@ def sample_tokens(
 # the most tokens a row's kept set may have for the sorted-window path (a power of two: the sort's size);
 # top-k up to this, and the top-p nucleus of any but a flat distribution, take it
 WINDOW = 2048
+# programs a row for the passes over it: enough that a few rows fill the GPU
+CHUNKS = 16
 
 
 @triton.jit
@@ -200,81 +202,156 @@ def _exact_threshold(row, V, temp, m, floor, k, p, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _window_threshold(
-    row, V, temp, Window, cut, m, floor, k, p, kept_mass, BLOCK: tl.constexpr, WINDOW: tl.constexpr
-):
-    """The threshold from the tokens with x >= cut (at most WINDOW of them, and every token the filters
-    keep among them), gathered, sorted, and filtered as sample.filter_logits does: one more pass."""
-    count = tl.full([], 0, tl.int32)
-    for off in range(0, V, BLOCK):
-        x = _load_scaled(row, off, V, temp, BLOCK)
-        take = (x >= cut).to(tl.int32)
-        tl.store(Window + count + tl.cumsum(take, 0) - take, x, mask=take > 0)
-        count += tl.sum(take, 0)
-    tl.debug_barrier()  # the window was written by every thread of the program
-    w = tl.arange(0, WINDOW)
-    values = tl.sort(tl.load(Window + w, mask=w < count, other=float("-inf")), descending=True)
-    thresh = floor
-    if k < V:
-        thresh = tl.maximum(thresh, tl.sum(tl.where(w == k.to(tl.int32) - 1, values, 0.0), 0))
-    if p < 1.0:
-        e = tl.where(values >= thresh, tl.exp(values - m), 0.0)
-        # top-p normalises over what top-k kept (all in the window), or else over what min-p kept
-        probs = e / tl.where(k < V, tl.sum(e, 0), kept_mass)
-        # keep a token while the mass before it is below top_p: the first token always stays
-        keep = (tl.cumsum(probs, 0) - probs < p) & (values >= thresh)
-        thresh = tl.maximum(thresh, tl.min(tl.where(keep, values, float("inf")), 0))
-    return thresh
+def _row_bounds(Bounds, r, C: tl.constexpr):
+    """The row's largest x and its smallest finite x, from the chunks' (_bounds_kernel)."""
+    c = tl.arange(0, C)
+    m = tl.max(tl.load(Bounds + (r * C + c) * 2), 0)
+    least = tl.min(tl.load(Bounds + (r * C + c) * 2 + 1), 0)
+    return m, least
+
+
+@triton.jit
+def _cuts(m, least):
+    # sixteen cuts from just below the top to the smallest x
+    j = tl.arange(0, 16)
+    return m - (m - least) * tl.exp2((j - 15).to(tl.float32) * 0.5)
+
+
+@triton.jit
+def _decide(Counts, Masses, Kept, r, cuts, k, p, V, C: tl.constexpr, WINDOW: tl.constexpr):
+    """From the chunks' counts and masses above each cut: the highest cut above which lie the k largest
+    (or, top-k off, the top-p nucleus), whether the tokens above it fit the window, the cut, the mass
+    min-p keeps, and how many tokens lie above the cut."""
+    c = tl.arange(0, C)[:, None]
+    j = tl.arange(0, 16)
+    count = tl.sum(tl.load(Counts + (r * C + c) * 16 + j[None, :]), 0)
+    mass = tl.sum(tl.load(Masses + (r * C + c) * 16 + j[None, :]), 0)
+    kept_mass = tl.sum(tl.load(Kept + r * C + tl.arange(0, C)), 0)
+    covers = tl.where(k < V, count >= k, mass >= p * kept_mass)
+    first = tl.min(tl.where(covers, j, 16), 0)
+    total = tl.sum(tl.where(j == first, count, 0.0), 0)
+    cut = tl.sum(tl.where(j == first, cuts, 0.0), 0)
+    return first, (first < 16) & (total <= WINDOW), cut, kept_mass, total
+
+
+@triton.jit
+def _bounds_kernel(Logits, stride_l, Temps, Bounds, V, chunk, C: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, chunk): the chunk's largest x and smallest finite x (x = logit / T)
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    temp = tl.load(Temps + r)
+    m = tl.full([], float("-inf"), tl.float32)
+    least = tl.full([], float("inf"), tl.float32)
+    if temp > 0.0:
+        row = Logits + r * stride_l
+        for off in range(c * chunk, c * chunk + chunk, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            m = tl.maximum(m, tl.max(x, 0))
+            least = tl.minimum(least, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
+    tl.store(Bounds + (r * C + c) * 2, m)
+    tl.store(Bounds + (r * C + c) * 2 + 1, least)
+
+
+@triton.jit
+def _hist_kernel(
+    Logits, stride_l, Temps, TopK, TopP, MinP, Bounds, Counts, Masses, Kept, V, chunk,
+    C: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # program (row, chunk): the chunk's count of tokens above each cut and their mass exp(x - m) over
+    # what min-p keeps, and the mass min-p keeps
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    temp = tl.load(Temps + r)
+    k = tl.load(TopK + r)
+    p = tl.load(TopP + r)
+    counts = tl.zeros([BLOCK, 16], tl.float32)
+    masses = tl.zeros([BLOCK, 16], tl.float32)
+    kept = tl.zeros([BLOCK], tl.float32)
+    if (temp > 0.0) & ((k < V) | (p < 1.0)):
+        m, least = _row_bounds(Bounds, r, C)
+        # min-p: p_i < min_p * p_max  <=>  x_i < m + log(min_p); log(0) = -inf keeps every token
+        thresh = m + tl.log(tl.load(MinP + r))
+        cuts = _cuts(m, least)
+        row = Logits + r * stride_l
+        for off in range(c * chunk, c * chunk + chunk, BLOCK):
+            x = _load_scaled(row, off, V, temp, BLOCK)
+            e = tl.where(x >= thresh, tl.exp(x - m), 0.0)
+            above = x[:, None] >= cuts[None, :]
+            counts += tl.where(above, 1.0, 0.0)
+            masses += tl.where(above, e[:, None], 0.0)
+            kept += e
+    j = tl.arange(0, 16)
+    tl.store(Counts + (r * C + c) * 16 + j, tl.sum(counts, 0))
+    tl.store(Masses + (r * C + c) * 16 + j, tl.sum(masses, 0))
+    tl.store(Kept + r * C + c, tl.sum(kept, 0))
+
+
+@triton.jit
+def _gather_kernel(
+    Logits, stride_l, Temps, TopK, TopP, Bounds, Counts, Masses, Kept, Windows, V, chunk,
+    C: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    # program (row, chunk): where the row's kept set fits the window, the chunk's tokens above the cut,
+    # written after those of the chunks before it (their counts above that cut say where)
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    temp = tl.load(Temps + r)
+    k = tl.load(TopK + r)
+    p = tl.load(TopP + r)
+    if (temp > 0.0) & ((k < V) | (p < 1.0)):
+        m, least = _row_bounds(Bounds, r, C)
+        first, fits, cut, kept_mass, total = _decide(
+            Counts, Masses, Kept, r, _cuts(m, least), k, p, V, C, WINDOW
+        )
+        if fits:
+            before = tl.arange(0, C)
+            counts = tl.load(Counts + (r * C + before) * 16 + first, mask=before < c, other=0.0)
+            count = tl.sum(counts, 0).to(tl.int32)
+            row = Logits + r * stride_l
+            window = Windows + r * WINDOW
+            for off in range(c * chunk, c * chunk + chunk, BLOCK):
+                x = _load_scaled(row, off, V, temp, BLOCK)
+                take = (x >= cut).to(tl.int32)
+                tl.store(window + count + tl.cumsum(take, 0) - take, x, mask=take > 0)
+                count += tl.sum(take, 0)
 
 
 @triton.jit
 def _threshold_kernel(
-    Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, Windows, V, BLOCK: tl.constexpr, WINDOW: tl.constexpr
-):
+    Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, Bounds, Counts, Masses, Kept, Windows, V,
+    C: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
     # one program per row; a row's filters that are off (k = V, p = 1, min_p = 0) cost no pass
     r = tl.program_id(0)
-    row = Logits + r * stride_l
     temp = tl.load(Temps + r)
     k = tl.load(TopK + r)
     p = tl.load(TopP + r)
-    min_p = tl.load(MinP + r)
     thresh = tl.full([], float("-inf"), tl.float32)
     if temp > 0.0:
-        m = tl.full([], float("-inf"), tl.float32)
-        least = tl.full([], float("inf"), tl.float32)
-        for off in range(0, V, BLOCK):
-            x = _load_scaled(row, off, V, temp, BLOCK)
-            m = tl.maximum(m, tl.max(x, 0))
-            least = tl.minimum(least, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
-        # min-p: p_i < min_p * p_max  <=>  x_i < m + log(min_p); log(0) = -inf keeps every token
-        thresh = m + tl.log(min_p)
+        m, least = _row_bounds(Bounds, r, C)
+        thresh = m + tl.log(tl.load(MinP + r))
         if (k < V) | (p < 1.0):
-            # sixteen cuts from just below the top to the smallest x: the count and the mass above each
-            j = tl.arange(0, 16)
-            cuts = m - (m - least) * tl.exp2((j - 15).to(tl.float32) * 0.5)
-            counts = tl.zeros([BLOCK, 16], tl.float32)
-            masses = tl.zeros([BLOCK, 16], tl.float32)
-            kept = tl.zeros([BLOCK], tl.float32)
-            for off in range(0, V, BLOCK):
-                x = _load_scaled(row, off, V, temp, BLOCK)
-                e = tl.where(x >= thresh, tl.exp(x - m), 0.0)
-                above = x[:, None] >= cuts[None, :]
-                counts += tl.where(above, 1.0, 0.0)
-                masses += tl.where(above, e[:, None], 0.0)
-                kept += e
-            count, mass, kept_mass = tl.sum(counts, 0), tl.sum(masses, 0), tl.sum(kept, 0)
-            # the highest cut above which lie the k largest, or (top-k off) the top-p nucleus
-            covers = tl.where(k < V, count >= k, mass >= p * kept_mass)
-            first = tl.min(tl.where(covers, j, 16), 0)
-            if (first < 16) & (tl.sum(tl.where(j == first, count, 0.0), 0) <= WINDOW):
-                cut = tl.sum(tl.where(j == first, cuts, 0.0), 0)
+            first, fits, cut, kept_mass, total = _decide(
+                Counts, Masses, Kept, r, _cuts(m, least), k, p, V, C, WINDOW
+            )
+            if fits:
+                # the window holds the tokens with x >= cut (every token the filters keep among them):
+                # sorted, and filtered as sample.filter_logits does
+                w = tl.arange(0, WINDOW)
                 window = Windows + r * WINDOW
-                thresh = _window_threshold(
-                    row, V, temp, window, cut, m, thresh, k, p, kept_mass, BLOCK, WINDOW
-                )
+                values = tl.sort(tl.load(window + w, mask=w < total, other=float("-inf")), descending=True)
+                if k < V:
+                    thresh = tl.maximum(thresh, tl.sum(tl.where(w == k.to(tl.int32) - 1, values, 0.0), 0))
+                if p < 1.0:
+                    e = tl.where(values >= thresh, tl.exp(values - m), 0.0)
+                    # top-p normalises over what top-k kept (all in the window), or else over what min-p kept
+                    probs = e / tl.where(k < V, tl.sum(e, 0), kept_mass)
+                    # keep a token while the mass before it is below top_p: the first token always stays
+                    keep = (tl.cumsum(probs, 0) - probs < p) & (values >= thresh)
+                    thresh = tl.maximum(thresh, tl.min(tl.where(keep, values, float("inf")), 0))
             else:
                 # a flat row: the kept set does not fit the window
-                thresh = _exact_threshold(row, V, temp, m, thresh, k, p, BLOCK)
+                thresh = _exact_threshold(Logits + r * stride_l, V, temp, m, thresh, k, p, BLOCK)
     tl.store(Thresh + r, thresh)
 
 
@@ -291,9 +368,12 @@ def filter_thresholds(
     kept; the sort keeps an arbitrary few of them). top_k is the vocabulary size, top_p 1 and min_p 0
     where a row does not filter (all [B] float32); greedy rows get -inf.
 
-    Three passes over a row when its kept set lies among its `window` (WINDOW) largest tokens,
-    as it does for a top-k below the window and for the nucleus of a peaked distribution; a flat row
-    takes the exact search instead (up to 19 passes). Which one is decided on the device, per row."""
+    Three passes over a row when its kept set lies among its `window` (WINDOW) largest tokens, as it
+    does for a top-k below the window and for the nucleus of a peaked distribution: its bounds, its
+    counts and masses above sixteen cuts, and the gathering of the tokens above the chosen cut, each
+    pass split over CHUNKS programs a row (one program a row was compute-bound: 0.65 ms at any batch
+    up to the SM count, on an H200). Then one program a row sorts the window; a flat row takes the
+    exact search there instead (up to 19 passes). Which one is decided on the device, per row."""
     bs, vocab = logits.shape
     out = torch.empty(bs, dtype=torch.float32, device=logits.device)
     if bs == 0:
@@ -301,21 +381,28 @@ def filter_thresholds(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     window = window or WINDOW
-    windows = torch.empty((bs, window), dtype=torch.float32, device=logits.device)
+    block = 512
+    chunk = triton.cdiv(triton.cdiv(vocab, CHUNKS), block) * block
+    dev = logits.device
+    bounds = torch.empty((bs, CHUNKS, 2), dtype=torch.float32, device=dev)
+    counts = torch.empty((bs, CHUNKS, 16), dtype=torch.float32, device=dev)
+    masses = torch.empty((bs, CHUNKS, 16), dtype=torch.float32, device=dev)
+    kept = torch.empty((bs, CHUNKS), dtype=torch.float32, device=dev)
+    windows = torch.empty((bs, window), dtype=torch.float32, device=dev)
+    temps = temperatures.reshape(-1).to(torch.float32).contiguous()
+    top_k, top_p = top_k.to(torch.float32).contiguous(), top_p.to(torch.float32).contiguous()
+    min_p = min_p.to(torch.float32).contiguous()
+    stride = logits.stride(0)
+    grid = (bs, CHUNKS)
+    _bounds_kernel[grid](logits, stride, temps, bounds, vocab, chunk, C=CHUNKS, BLOCK=block, num_warps=4)
+    hist = (temps, top_k, top_p, min_p, bounds, counts, masses, kept, vocab, chunk)
+    _hist_kernel[grid](logits, stride, *hist, C=CHUNKS, BLOCK=block, num_warps=8)
+    gather = (temps, top_k, top_p, bounds, counts, masses, kept, windows, vocab, chunk)
+    _gather_kernel[grid](logits, stride, *gather, C=CHUNKS, BLOCK=block, WINDOW=window, num_warps=4)
     _threshold_kernel[(bs,)](
-        logits,
-        logits.stride(0),
-        temperatures.reshape(-1).to(torch.float32).contiguous(),
-        top_k.to(torch.float32).contiguous(),
-        top_p.to(torch.float32).contiguous(),
-        min_p.to(torch.float32).contiguous(),
-        out,
-        windows,
-        vocab,
-        BLOCK=512,
-        WINDOW=window,
-        num_warps=8,
-    )
+        logits, stride, temps, top_k, top_p, min_p, out, bounds, counts, masses, kept, windows, vocab,
+        C=CHUNKS, BLOCK=block, WINDOW=window, num_warps=8,
+    )  # fmt: skip
     return out
 
 
@@ -329,7 +416,7 @@ def sample(
     min_p: torch.Tensor | None,
 ) -> torch.Tensor:
     """The GPU version of Sampler.sample after penalties; a filter is None where no row of the batch uses
-    it. Two launches without filters, three with (plus a fill for each filter the batch leaves off)."""
+    it. Two launches without filters, six with (plus a fill for each filter the batch leaves off)."""
     if top_k is None and top_p is None and min_p is None:
         return sample_tokens(logits, temperatures, seeds, steps)
     bs, vocab = logits.shape
