@@ -16,6 +16,7 @@ threads' work. Where the call is refused (older kernels), nothing is populated a
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 
@@ -35,6 +36,8 @@ CHUNK_BYTES = 4 << 20
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):  # the advice's number is Linux's own
+        return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
