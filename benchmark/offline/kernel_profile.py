@@ -28,6 +28,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def kernel_span_us(prof: Any) -> float:
+    """From the first kernel's start to the last one's end: with the kernels' own total, what the device
+    spent between kernels (launch gaps inside a graph, or waiting for the host)."""
+    spans = [
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+
+
 def kernel_table(prof: Any) -> list[dict[str, Any]]:
     """Every CUDA kernel event of the trace, grouped by name, largest total first."""
     rows: dict[str, dict[str, Any]] = {}
@@ -84,10 +95,20 @@ def main() -> None:
         table = kernel_table(prof)
         total = max(sum(r["us"] for r in table), 1e-9)  # none without CUDA
         tokens = int(batch.input_ids.numel())
-        result[phase] = {"batch": batch.size, "tokens": tokens, "wall_us": wall_us, "kernel_us": total}
+        span = kernel_span_us(prof)
+        result[phase] = {
+            "batch": batch.size,
+            "tokens": tokens,
+            "wall_us": wall_us,
+            "kernel_us": total,
+            "span_us": span,
+            "launches": sum(r["count"] for r in table),
+        }
         result[phase]["kernels"] = table
         print(
-            f"{phase} step, batch {batch.size}: kernels {total:.0f} us of {wall_us:.0f} us wall", flush=True
+            f"{phase} step, batch {batch.size}: kernels {total:.0f} us of {wall_us:.0f} us wall, "
+            f"{result[phase]['launches']} kernels in a span of {span:.0f} us",
+            flush=True,
         )
         for r in table[:14]:
             print(
