@@ -8,7 +8,9 @@ wrote (it may populate pages a step is writing), and stop with the engine.
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
+import weakref
 
 import pytest
 import torch
@@ -126,3 +128,16 @@ def test_an_engine_maps_its_pool_ahead_and_stops_the_thread_at_shutdown(tmp_path
     finally:
         llm.shutdown()
     assert f._thread is None
+
+
+def test_a_pool_dropped_without_close_is_freed_and_its_thread_ends(monkeypatch) -> None:
+    monkeypatch.setattr(prefault, "IDLE_CHECK_S", 0.05)
+    kv = pool(256)
+    assert kv.prefaulter is not None and kv.prefaulter.wait_idle()
+    thread, alive = kv.prefaulter._thread, weakref.ref(kv.prefaulter)
+    assert thread is not None and thread.is_alive()
+    del kv
+    gc.collect()
+    assert alive() is None  # the thread does not keep the pool's memory
+    thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,8 @@ OS_PAGE = 4096
 LEAD_BYTES = 32 << 20
 # the most pages one pass of the thread populates before it looks at the mark again
 CHUNK_BYTES = 4 << 20
+# how often an idle thread looks whether its pool is still there
+IDLE_CHECK_S = 1.0
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -59,7 +62,7 @@ class PoolPrefaulter:
             for b in buffers
             for i in range(b.shape[0])
         ]
-        self._buffers = buffers  # kept alive while the thread maps into them
+        self._buffers = buffers  # the regions' memory, alive as long as the prefaulter
         self.num_pages = num_pages
         pool_page_bytes = sum(step for _, step in self._regions)
         self.lead = max(1, min(num_pages, LEAD_BYTES // max(1, pool_page_bytes)))
@@ -70,7 +73,11 @@ class PoolPrefaulter:
         self._stopped = False
         self._thread: threading.Thread | None = None
         if self._madvise is not None:
-            self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
+            # the thread holds the prefaulter weakly: a pool dropped without close() is freed, and its
+            # thread ends at its next look (IDLE_CHECK_S)
+            self._thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._cond), name="kv-prefault", daemon=True
+            )
             self._thread.start()
             self.advance(0)
 
@@ -99,22 +106,6 @@ class PoolPrefaulter:
                 lambda: self.populated >= self._target or self._stopped or self._thread is None, timeout
             )
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self.populated < self._target)
-                if self._stopped:
-                    return
-                start, end = self.populated, min(self._target, self.populated + self.chunk)
-            if not self._populate(start, end):
-                with self._cond:
-                    self._thread = None  # refused: stop asking
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self.populated = end
-                self._cond.notify_all()
-
     def _populate(self, start: int, end: int) -> bool:
         assert self._madvise is not None
         for base, step in self._regions:
@@ -124,3 +115,26 @@ class PoolPrefaulter:
                 logger.debug(f"KV pool pages not populated ahead (madvise errno {ctypes.get_errno()})")
                 return False
         return True
+
+
+def _run(ref: weakref.ref[PoolPrefaulter], cond: threading.Condition) -> None:
+    while True:
+        with cond:
+            f = ref()
+            if f is None or f._stopped:
+                return
+            if f.populated >= f._target:
+                del f  # not held while waiting: the pool may go meanwhile
+                cond.wait(IDLE_CHECK_S)
+                continue
+            start, end = f.populated, min(f._target, f.populated + f.chunk)
+        ok = f._populate(start, end)  # the buffers stay alive through f meanwhile
+        with cond:
+            if not ok:
+                f._thread = None  # refused: stop asking
+            else:
+                f.populated = end
+            cond.notify_all()
+        if not ok:
+            return
+        del f
