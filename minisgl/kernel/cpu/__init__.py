@@ -157,6 +157,20 @@ _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _paged_query(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor
+) -> torch.Tensor:
+    """The attention kernels' checks of the pool, and q as they read it: float32 or bf16, heads contiguous
+    within a token (tokens may stay strided)."""
+    assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
+    if q.dtype not in FLOAT_KINDS:
+        q = q.to(torch.float32)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return q
+
+
 def decode_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,
@@ -174,13 +188,8 @@ def decode_attention(
     or v_scale); page_table: [R, W] int32 token slots; rows, lens: [B] int64 -> [B, Hq, D] float32, each
     query over the first lens[b] slots of its row. bf16 queries over a bf16 pool are computed as torch's
     SDPA computes bf16 attention (attention.c says how)."""
-    assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
-    if q.dtype not in FLOAT_KINDS:
-        q = q.to(torch.float32)
+    q = _paged_query(q, k_cache, v_cache, page_table)
     bs, num_q, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
     rows, lens = rows.contiguous(), lens.contiguous()
     out = torch.empty((bs, num_q, d), dtype=torch.float32)
     rc = lib.decode_attention(
@@ -231,13 +240,8 @@ def prefill_attention(
     rows, prefix_lens (cached tokens), extend_lens: [B] int64. Row t of request b attends over the first
     prefix_lens[b] + t + 1 slots of its page-table row -> [T, Hq, D] in q's dtype. D % 16 == 0.
     """
-    assert k_cache.dtype in _KV_KINDS and page_table.dtype == torch.int32
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.stride(1) == 1
-    if q.dtype not in FLOAT_KINDS:
-        q = q.to(torch.float32)
+    q = _paged_query(q, k_cache, v_cache, page_table)
     t, num_q, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
     rows, prefix_lens, extend_lens = rows.contiguous(), prefix_lens.contiguous(), extend_lens.contiguous()
     out = torch.empty((t, num_q, d), dtype=q.dtype)
     rc = lib.prefill_attention(
