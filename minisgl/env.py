@@ -92,6 +92,12 @@ class _Env:
             False,
             "compile the CPU decode step with torch.compile (inductor); its first steps compile for a while",
         )
+        self.CPU_ONEDNN_WEIGHTS = EnvVar(
+            "MINISGL_CPU_ONEDNN_WEIGHTS",
+            True,
+            "hold a CPU model's bf16 linear weights in oneDNN's blocked layout (0: plain, copied by oneDNN "
+            "at every call)",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

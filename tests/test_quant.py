@@ -306,10 +306,10 @@ def test_auto_keeps_a_gguf_files_packing_beside_the_floats_where_it_measured_fas
         layer = llm.engine.model.model.layers[1].mlp.down_proj
         # a float32 model keeps float32 results: the packed kernels take bf16 activations
         if packed_faster and dtype == "bfloat16":
-            assert isinstance(layer.qweight, Int4Weight) and layer.weight is not None
+            assert isinstance(layer.qweight, Int4Weight) and layer.has_float()
             assert isinstance(llm.engine.model.lm_head.qweight, Int8Weight)
         else:
-            assert layer.qweight is None and layer.weight is not None
+            assert layer.qweight is None and layer.has_float()
         out = llm.generate([[3, 4, 5], [6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
         assert all(len(o["token_ids"]) == 4 for o in out)
     finally:

@@ -187,6 +187,12 @@ class Engine:
         # an FP8 KV cache's scales travel with the weights: they are kept aside for the pool
         load_weights(model, self.kv_scales.take(iter_safetensors(self.model_dir)))
         self._quantize(model)
+        if self.device.type == "cpu":
+            from minisgl.models.onednn_pack import pack_model
+
+            summary = pack_model(model)
+            if summary:
+                logger.info_rank0(summary)
         return model.eval()
 
     def _quantize(self, model: torch.nn.Module) -> None:

@@ -40,12 +40,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def onednn_packing_supported() -> bool:
+    """Whether this torch and CPU can hold bf16 weights in oneDNN's blocked layout (`pack_onednn`)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in oneDNN's blocked layout (an opaque `torch._mkldnn` tensor).
+
+    F.linear on a CPU hands oneDNN a plain weight, which it copies into this layout inside every call:
+    at 64 rows that copy is a fifth of a step's matmul time on an AVX512-BF16 CPU without AMX (the
+    default model's 30 layers and LM head: 112 -> 91 ms; docs/benchmarks.md, "Weights in oneDNN's
+    layout"). The products are F.linear's to the bit: the same kernel, the same sums.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def linear_onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 @ packed.T, the weight from `pack_onednn`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
 class QuantizableLinear(nn.Module):
     """A layer whose weight [N, K] may also be held packed; `matmul` picks the copy that serves the batch.
 
     With `keep_float` the float weight stays beside the packed one and serves every prefill (and extend)
     step and the decode steps of more than `max_rows` rows; without, the float weight is dropped and
     every batch uses the packed one.
+
+    `pack_onednn_` adds the float weight in oneDNN's layout (CPU, bf16), which then serves every batch
+    of more than `LINEAR_MAX_ROWS` rows; the plain copy is dropped where nothing else reads it.
 
     Why prefill never takes the packed copy, even for one row: a prompt's first new token must not
     depend on how much of the prompt was cached. A cold prompt is a many-row prefill (float weights);
@@ -60,18 +88,36 @@ class QuantizableLinear(nn.Module):
         super().__init__()
         self.qweight: QuantizedWeight | None = None
         self.max_rows = 0
+        # not a buffer: an opaque oneDNN tensor, made after loading and never saved
+        self.packed: torch.Tensor | None = None
 
     def quantize_(self, qweight: QuantizedWeight, keep_float: bool, max_rows: int) -> None:
         self.qweight, self.max_rows = qweight, max_rows
         if not keep_float:
             self.weight = None
 
+    def has_float(self) -> bool:
+        """Whether a float copy of the weight (plain or oneDNN-packed) serves some batches."""
+        return self.weight is not None or self.packed is not None
+
+    def pack_onednn_(self, keep_plain: bool) -> None:
+        """Keep the float weight in oneDNN's layout; `keep_plain` keeps the plain one for 1-2 rows too."""
+        assert self.weight is not None
+        self.packed = pack_onednn(self.weight)
+        if not keep_plain:
+            self.weight = None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # read once: every nn.Module attribute read of a parameter or submodule is a slow lookup
-        qweight, weight = self.qweight, self.weight
+        qweight, weight, packed = self.qweight, self.weight, self.packed
+        rows = x.numel() // x.shape[-1]
         if qweight is None or (
-            weight is not None and (x.numel() // x.shape[-1] > self.max_rows or forwarding_prefill())
+            (weight is not None or packed is not None) and (rows > self.max_rows or forwarding_prefill())
         ):
+            if packed is not None and (weight is None or rows > cpu_kernels.LINEAR_MAX_ROWS):
+                if x.dim() == 2:
+                    return linear_onednn(x, packed)
+                return linear_onednn(x.reshape(rows, x.shape[-1]), packed).reshape(*x.shape[:-1], -1)
             assert weight is not None
             return linear(x, weight)
         if x.dim() == 2:
