@@ -98,6 +98,12 @@ class _Env:
             "hold a CPU model's bf16 linear weights in oneDNN's blocked layout (0: plain, copied by oneDNN "
             "at every call)",
         )
+        self.SKINNY_GEMM = EnvVar(
+            "MINISGL_SKINNY_GEMM",
+            True,
+            "on CUDA, 16-bit matmuls of up to 256 rows by minisgl's split-K Triton GEMM (kernel/gemm.py); "
+            "0: cuBLAS",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

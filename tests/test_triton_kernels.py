@@ -466,3 +466,39 @@ def test_fused_moe_matches_the_torch_backend(num_tokens, num_experts, top_k, ren
     want = TorchMoeBackend().forward(x, gate_up, down, weights, ids)
     got = fused_moe(*(t.to(DEVICE) for t in (x, gate_up, down, weights, ids)))
     assert rel_err(got.cpu(), want) < 1e-5
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 256), (5, 200, 384), (17, 64, 1000), (40, 130, 512)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_skinny_gemm_matches_a_float32_product_and_leaves_its_counters_at_zero(
+    m: int, n: int, k: int, split: int
+) -> None:
+    from minisgl.kernel import gemm
+
+    # the interpreter has no bf16 tensor-core tiles (see the bf16 attention test); a GPU runs bf16 too
+    dtypes = (torch.float16, torch.bfloat16) if CUDA else (torch.float16,)
+    gen = torch.Generator().manual_seed(m * n + k)
+    for dtype in dtypes:
+        x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+        w = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+        cfg = gemm.GemmConfig(16, 64, 128, split, 4, 2)
+        y = gemm.skinny_matmul(x, w, cfg)
+        ref = x.float() @ w.float().T
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert rel_err(y.float().cpu(), ref.cpu()) < 2e-3
+        # the partials are added in split order: the same bits whichever program finished last
+        assert torch.equal(gemm.skinny_matmul(x, w, cfg), y)
+        assert not gemm._workspace(x.device)[1].any()
+
+
+def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
+    from minisgl.kernel import gemm
+
+    for m, n, k in [(1, 4096, 1024), (64, 1024, 3072), (256, 6144, 1024)]:
+        cfg = gemm.choose_config(m, n, k, 132)
+        programs = -(-m // cfg.block_m) * -(-n // cfg.block_n) * cfg.split
+        # at least a wave of the GPU, at most the workspace's partials
+        assert programs >= 132 or cfg.split == -(-k // cfg.block_k) // 2
+        assert cfg.split * m * n <= gemm._WORKSPACE_FLOATS
+    x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
+    assert gemm.skinny_matmul(x, torch.randn(32, 64).to(DEVICE, torch.float16)).shape == (0, 32)
