@@ -101,8 +101,8 @@ class _Env:
         self.SKINNY_GEMM = EnvVar(
             "MINISGL_SKINNY_GEMM",
             True,
-            "on CUDA, 16-bit matmuls of up to 256 rows by minisgl's split-K Triton GEMM (kernel/gemm.py); "
-            "0: cuBLAS",
+            "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
+            "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",

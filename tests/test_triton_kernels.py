@@ -500,5 +500,8 @@ def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
         # at least a wave of the GPU, at most the workspace's partials
         assert programs >= 132 or cfg.split == -(-k // cfg.block_k) // 2
         assert cfg.split * m * n <= gemm._WORKSPACE_FLOATS
+    # the engine sends it the narrow outputs of few rows only (o_proj, down_proj), cuBLAS the rest
+    assert gemm.serves(1, 1024, 2048) and gemm.serves(16, 1024, 3072)
+    assert not gemm.serves(1, 4096, 1024) and not gemm.serves(17, 1024, 3072)
     x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
     assert gemm.skinny_matmul(x, torch.randn(32, 64).to(DEVICE, torch.float16)).shape == (0, 32)

@@ -3,8 +3,7 @@
 Why: at decode batch sizes a small model's projections are too narrow to spread over the GPU as cuBLAS
 tiles them: on an H200 a Qwen3-0.6B-shaped step's GEMMs read the weights at 1.35 TB/s at batch 1, a
 third of the copy rate (docs/benchmarks.md, "The fixed cost of a decode step"). Here each program
-computes a BLOCK_M x BLOCK_N tile over one of `split` ranges of K, enough programs to fill every SM
-twice. With a split, each program writes its float32 partial sums to a workspace and takes a ticket
+computes a BLOCK_M x BLOCK_N tile over one of `split` ranges of K, enough programs to fill every SM. With a split, each program writes its float32 partial sums to a workspace and takes a ticket
 from its tile's counter; the program that draws the last ticket adds the partials in split order (so
 the result does not depend on which program finished first) and writes the output. One launch, and
 deterministic; the counters are left at zero for the next call, so a CUDA graph can replay it.
@@ -19,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-# the largest batch served here; above it cuBLAS's tiles fill the GPU
-MAX_ROWS = 256
+# the largest batch served here: above it cuBLAS measured faster on every shape (docs/benchmarks.md)
+MAX_ROWS = 16
 _WORKSPACE_FLOATS = 8 << 20  # 32 MiB of float32 partial sums a device
 _COUNTERS = 1 << 16
 
@@ -35,15 +34,22 @@ class GemmConfig:
     num_stages: int = 4
 
 
+def serves(m: int, n: int, k: int) -> bool:
+    """Whether this kernel takes an [m, k] x [k, n] product: few rows, and outputs no wider than the
+    reduction (o_proj, down_proj), where cuBLAS's few tiles leave most SMs idle; wider outputs (q|k|v,
+    gate|up) it tiles well itself (measured: docs/benchmarks.md, "Decode GEMMs of few rows")."""
+    return m <= MAX_ROWS and n <= k
+
+
 def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
-    """Tiles for an [m, k] x [k, n] product: M padded to tensor-core rows, K split until the programs
-    fill each SM twice, each split keeping at least two K blocks."""
+    """Tiles for an [m, k] x [k, n] product: M padded to tensor-core rows, narrow N tiles, K split until
+    the programs fill every SM once, each split keeping at least two K blocks."""
     block_m = min(max(16, triton.next_power_of_2(m)), 64)
-    block_n = 64 if m <= 64 else 128
+    block_n = 32 if m <= 16 else 64
     block_k = 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    split = max(1, min(k_blocks // 2, triton.cdiv(2 * sms, tiles)))
+    split = max(1, min(k_blocks // 2, triton.cdiv(sms, tiles)))
     return GemmConfig(block_m, block_n, block_k, split)
 
 
@@ -62,6 +68,7 @@ def _gemm_kernel(
     stride_ym,
     k_per_split,
     split,
+    split_stride,
     HAS_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -92,8 +99,9 @@ def _gemm_kernel(
     if not HAS_SPLIT:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(Part + pid_k.to(tl.int64) * M * N + offs, acc, mask=out_mask)
+        # a split's partials [M, N]; the workspace is under 2^31 floats
+        offs = rm[:, None] * N + rn[None, :]
+        tl.store(Part + pid_k * split_stride + offs, acc, mask=out_mask)
         # every thread's partial is written before the ticket is taken (the atomic releases them)
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -102,7 +110,7 @@ def _gemm_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(split):
                 total += tl.load(
-                    Part + s * M.to(tl.int64) * N + offs, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    Part + s * split_stride + offs, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
@@ -145,7 +153,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = 
         split, k_per_split = 1, k
     _gemm_kernel[(grid_n, grid_m, split)](
         x, w, y, part, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        split, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        split, m * n, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -22,12 +22,12 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there),
-    unless MINISGL_KERNELS=triton runs the CUDA path's code there; on CUDA, few rows against 16-bit
-    weights go to the split-K Triton GEMM (`kernel/gemm.py`, MINISGL_SKINNY_GEMM)."""
+    unless MINISGL_KERNELS=triton runs the CUDA path's code there; on CUDA, the few-row products that
+    `gemm.serves` names go to the split-K Triton GEMM (`kernel/gemm.py`, MINISGL_SKINNY_GEMM)."""
     if x.is_cuda and x.dim() == 2 and weight.dtype in _SKINNY_DTYPES and ENV.SKINNY_GEMM.value:
         from minisgl.kernel import gemm
 
-        if x.shape[0] <= gemm.MAX_ROWS and weight.stride(1) == 1 and x.dtype == weight.dtype:
+        if gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype:
             y = gemm.skinny_matmul(x, weight)
             return y + bias if bias is not None else y
     if (
