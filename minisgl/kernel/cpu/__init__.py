@@ -140,6 +140,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rescale_int32.restype = None
     lib.argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.argmax_rows.restype = None
+    lib.silu_and_mul_bf16.argtypes = [p, i64, p, i64, i32, i32]
+    lib.silu_and_mul_bf16.restype = None
     lib.qlinear_fast.argtypes = []
     lib.qlinear_fast.restype = i32
     lib.quantize_q8_blocks.argtypes = [p, i32, i64, p, p, p, p, i32, i32, i32]
@@ -410,6 +412,15 @@ def rescale_int32(
         n,
         torch.get_num_threads(),
     )
+    return y
+
+
+def silu_and_mul_bf16(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a bf16 [rows, 2n] tensor holding gate|up side by side (rows contiguous) -> [rows, n]."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+    rows, n = x.shape[0], x.shape[1] // 2
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    lib.silu_and_mul_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), rows, n, torch.get_num_threads())
     return y
 
 

@@ -1,9 +1,9 @@
 // The small per-layer ops of a bf16 decode step, each one pass instead of five to ten torch launches.
 //
 // At one or a few rows these ops cost more in dispatch than in arithmetic. Each kernel rounds to
-// bf16 exactly where the torch version (layers/norm.py, rotary.py) rounds, so the two paths agree:
-// bit for bit for rotary, up to the order of a float32 sum for the norm. (silu * up stays torch's:
-// one launch each, with a vectorised exp that a scalar loop here loses to, measured.)
+// bf16 exactly where the torch version (layers/norm.py, rotary.py, activation.py) rounds, so the two
+// paths agree: bit for bit for rotary, up to the order of a float32 sum for the norm, up to the last bits
+// of an exp for silu * up.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -173,5 +173,70 @@ void argmax_rows(const float *x, int64_t ld, int64_t rows, int64_t n, int32_t *o
                     break;
                 }
         out[r] = (int32_t)arg;
+    }
+}
+
+// silu(gate) * up for bf16 rows holding gate|up side by side (x: [rows, 2n], rows x_stride apart; y:
+// [rows, n]), rounded as torch's `F.silu(gate) * up` rounds: silu to bf16, then the product to bf16.
+// torch computes it in two launches with a vectorised exp; on AVX-512 this is one pass with an exp of
+// its own (Cody-Waite reduction by ln 2, a degree-6 polynomial, the power of two by vscalefps: within
+// 2 ulp of expf, so the bf16 results are torch's but for a rare tie of the rounding). Elsewhere a scalar
+// loop with expf.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // r = x - n ln2 in two parts, exact enough for |x| up to the float range
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    // 2^n past the float range gives inf or 0, as expf does; a NaN x stays NaN through r
+    return _mm512_scalef_ps(p, n);
+}
+
+// float32 -> bf16 rounding to nearest even, NaN kept quiet (f2bf's rule, sixteen at a time)
+static inline __m256i f2bf_ps(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 bf2f_ps(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+#endif
+
+void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows, int n,
+                       int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *gate = x + r * x_stride, *up = gate + n;
+        uint16_t *out = y + r * n;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 g = bf2f_ps(gate + i, k);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m256i act = f2bf_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(act), 16));
+            _mm256_mask_storeu_epi16(out + i, k, f2bf_ps(_mm512_mul_ps(a, bf2f_ps(up + i, k))));
+        }
+#endif
+        for (; i < n; ++i) {
+            const float g = bf2f(gate[i]);
+            out[i] = f2bf(rnd(g / (1.0f + expf(-g))) * bf2f(up[i]));
+        }
     }
 }
