@@ -52,10 +52,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def onednn_packing_supported() -> bool:
     """Whether this torch and CPU can hold bf16 weights in oneDNN's blocked layout (`pack_onednn`)."""
+    mkldnn = torch.ops.mkldnn
     return (
         torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and all(hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+        and hasattr(mkldnn, "_is_mkldnn_bf16_supported")
+        and mkldnn._is_mkldnn_bf16_supported()
     )
 
 
