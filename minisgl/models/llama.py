@@ -29,7 +29,10 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearRowParallel(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        # a few-row step on CUDA computes the activation inside the down projection's launch
+        y = self.down_proj.forward_silu(h)
+        return y if y is not None else self.down_proj(silu_and_mul(h))
 
 
 class DecoderLayer(nn.Module):
