@@ -505,19 +505,3 @@ def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
     assert not gemm.serves(1, 4096, 1024) and not gemm.serves(17, 1024, 3072)
     x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
     assert gemm.skinny_matmul(x, torch.randn(32, 64).to(DEVICE, torch.float16)).shape == (0, 32)
-
-
-@pytest.mark.parametrize(("m", "split"), [(1, 1), (5, 3), (16, 2)])
-def test_skinny_gemm_with_silu_equals_the_activation_kernel_then_the_gemm(m: int, split: int) -> None:
-    from minisgl.kernel import gemm
-
-    dtypes = (torch.float16, torch.bfloat16) if CUDA else (torch.float16,)
-    gen = torch.Generator().manual_seed(m)
-    for dtype in dtypes:
-        h = (torch.randn(m, 2 * 320, generator=gen) * 3).to(DEVICE, dtype)
-        w = torch.randn(96, 320, generator=gen).to(DEVICE, dtype)
-        cfg = gemm.GemmConfig(16, 32, 128, split, 4, 2)
-        fused = gemm.skinny_matmul(h, w, cfg, silu=True)
-        assert torch.equal(fused, gemm.skinny_matmul(silu_and_mul(h), w, cfg))
-    with pytest.raises(ValueError, match="columns"):
-        gemm.skinny_matmul(h, w, silu=False)

@@ -70,7 +70,6 @@ def _gemm_kernel(
     split,
     split_stride,
     HAS_SPLIT: tl.constexpr,
-    SILU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -91,12 +90,6 @@ def _gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + rk)[None, :] < k_end
         x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
-        if SILU:
-            # x holds gate|up: silu(gate) * up, rounded where kernel/activation.py rounds
-            up = tl.load(x_ptrs + K, mask=m_ok & k_ok, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
         w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
@@ -141,18 +134,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def skinny_matmul(
-    x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None, silu: bool = False
-) -> torch.Tensor:
-    """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype.
-
-    With `silu`, x is [M, 2K] holding gate|up side by side and the product is silu_and_mul(x) @ w.T,
-    the activation computed as the tiles are loaded: a decode step's down projection without the
-    activation's own launch, and the same bits as the two launches."""
-    m, k = x.shape[0], w.shape[1]
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype."""
+    m, k = x.shape
     n = w.shape[0]
-    if x.shape[1] != (2 * k if silu else k):
-        raise ValueError(f"x has {x.shape[1]} columns; w [{n}, {k}] needs {2 * k if silu else k}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -168,7 +153,7 @@ def skinny_matmul(
         split, k_per_split = 1, k
     _gemm_kernel[(grid_n, grid_m, split)](
         x, w, y, part, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        split, m * n, HAS_SPLIT=split > 1, SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        split, m * n, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

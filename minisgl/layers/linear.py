@@ -200,26 +200,3 @@ class LinearRowParallel(QuantizableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
-
-    def forward_silu(self, h: torch.Tensor) -> torch.Tensor | None:
-        """forward(silu_and_mul(h)) for h [rows, 2K] holding gate|up, in one launch where the split-K GEMM
-        serves it (CUDA, few rows, a plain 16-bit weight); None elsewhere, for the two-step path."""
-        weight = self.weight
-        if (
-            not h.is_cuda
-            or h.dim() != 2
-            or self.qweight is not None
-            or weight is None
-            or weight.dtype not in _SKINNY_DTYPES
-            or h.dtype != weight.dtype
-            or weight.stride(1) != 1
-            or h.stride(1) != 1
-            or not ENV.SKINNY_GEMM.value
-        ):
-            return None
-        from minisgl.kernel import gemm
-
-        if not gemm.serves(h.shape[0], *weight.shape):
-            return None
-        y = all_reduce(gemm.skinny_matmul(h, weight, silu=True))
-        return y + self.bias if self.bias is not None else y

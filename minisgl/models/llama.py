@@ -29,10 +29,7 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearRowParallel(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        # a few-row step on CUDA computes the activation inside the down projection's launch
-        y = self.down_proj.forward_silu(h)
-        return y if y is not None else self.down_proj(silu_and_mul(h))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
