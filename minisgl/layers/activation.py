@@ -10,8 +10,9 @@ from minisgl.kernel import use_triton
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x holds gate|up side by side; returns silu(gate) * up. bf16 on a CPU takes one C pass (torch's
-    two ops took 7 ms of a 64-row step of the default model on an AVX512-BF16 CPU without AMX)."""
+    """x holds gate|up side by side; returns silu(gate) * up. bf16 on a CPU takes one C pass instead of
+    torch's two ops (80 against 100 us for 64 rows of the default model's MLP on an AVX512-BF16 CPU
+    without AMX)."""
     if use_triton(x) and x.dim() == 2:
         from minisgl.kernel.activation import silu_and_mul as fused
 

@@ -38,10 +38,10 @@ def pack_model(model: nn.Module) -> str:
     if not layers:
         return ""
     # the layers whose one- and two-row steps read the plain weight (no packed weight serves them)
-    one_row = [m for m in layers if m.qweight is None or m.max_rows < cpu_kernels.LINEAR_MAX_ROWS]
-    plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in one_row if m.weight is not None)
+    one_row = {id(m) for m in layers if m.qweight is None or m.max_rows < cpu_kernels.LINEAR_MAX_ROWS}
+    plain_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers if id(m) in one_row)
     keep_plain = plain_bytes <= KEEP_PLAIN_BYTES
     for m in layers:
-        m.pack_onednn_(keep_plain=keep_plain and m in one_row)
+        m.pack_onednn_(keep_plain=keep_plain and id(m) in one_row)
     kept = f", the plain copy kept for 1-2 rows in {len(one_row)}" if keep_plain and one_row else ""
     return f"{len(layers)} linear layers in oneDNN's layout{kept}"
