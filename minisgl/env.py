@@ -92,6 +92,13 @@ class _Env:
             False,
             "compile the CPU decode step with torch.compile (inductor); its first steps compile for a while",
         )
+        self.CPU_W8A8_BATCHES = EnvVar(
+            "MINISGL_CPU_W8A8_BATCHES",
+            True,
+            "with the default quantization of a GGUF model, prompts and batches of more than 4 rows run W8A8 "
+            "(smoothed int8 activations times int8 weights) where the start-up timing finds it faster than "
+            "bf16; 0: the float weights",
+        )
         self.CPU_ONEDNN_WEIGHTS = EnvVar(
             "MINISGL_CPU_ONEDNN_WEIGHTS",
             True,

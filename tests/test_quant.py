@@ -29,7 +29,7 @@ from minisgl import core
 from minisgl.core import Batch, Context, SamplingParams, set_global_ctx
 from minisgl.env import ENV
 from minisgl.layers.linear import LinearReplicated
-from minisgl.layers.quant import Int4Weight, Int8Weight
+from minisgl.layers.quant import Int4Weight, Int8Weight, W8A8Weight
 from minisgl.llm import LLM
 from minisgl.llm.cli import build_parser as generate_parser
 from minisgl.models.gguf_quant import int4_groups, quantize_q4_k
@@ -271,15 +271,18 @@ def _forwarding(phase: Literal["prefill", "decode"]) -> Iterator[None]:
         set_global_ctx(saved)
 
 
-def test_a_cached_prompt_gets_the_same_greedy_answer_as_a_cold_one(monkeypatch) -> None:
-    # The default model with its packed weights beside the floats, as auto picks them where they
-    # measure faster: asked twice, the second time from the prefix cache (a one-row extend), the answer
-    # must not change. Packed steps of few rows used to take that extend and flip a near-tie ("The" at
-    # -1.79 against "L" at -1.92): "The capital of France is Paris." became "L'Étoile, ...".
-    monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: CpuChoice(torch.bfloat16, True, "as the test says"))
+@pytest.mark.parametrize("w8a8_batches", [False, True])
+def test_a_cached_prompt_gets_the_same_greedy_answer_as_a_cold_one(monkeypatch, w8a8_batches: bool) -> None:
+    # The default model with its packed weights beside the floats (or beside W8A8 copies), as auto picks
+    # them where they measure faster: asked twice, the second time from the prefix cache (a one-row
+    # extend), the answer must not change. Packed steps of few rows used to take that extend and flip a
+    # near-tie ("The" at -1.79 against "L" at -1.92): "The capital of France is Paris." became "L'Étoile, ...".
+    choice = CpuChoice(torch.bfloat16, True, w8a8_batches, "as the test says")
+    monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: choice)
     llm = LLM(max_running_req=4)
     try:
-        assert llm.engine.model.model.layers[0].mlp.down_proj.qweight is not None
+        layer = llm.engine.model.model.layers[0].mlp.down_proj
+        assert layer.qweight is not None and (layer.batch_qweight is not None) == w8a8_batches
         question = [{"role": "user", "content": "What is the capital of France?"}]
         greedy = SamplingParams(temperature=0.0, max_tokens=12)
         cold, cached = (llm.chat([question], greedy)[0] for _ in range(2))
@@ -290,26 +293,40 @@ def test_a_cached_prompt_gets_the_same_greedy_answer_as_a_cold_one(monkeypatch) 
 
 
 @pytest.mark.parametrize(
-    ("packed_faster", "dtype"), [(True, "bfloat16"), (False, "bfloat16"), (True, "float32")]
+    ("packed_faster", "w8a8_batches", "dtype"),
+    [
+        (True, False, "bfloat16"),
+        (True, True, "bfloat16"),
+        (False, True, "bfloat16"),
+        (True, True, "float32"),
+    ],
 )
 def test_auto_keeps_a_gguf_files_packing_beside_the_floats_where_it_measured_faster(
-    tmp_path, monkeypatch, packed_faster: bool, dtype: str
+    tmp_path, monkeypatch, packed_faster: bool, w8a8_batches: bool, dtype: str
 ) -> None:
     weights = hf_weights("llama", tied=False, seed=4, hidden=256, ffn=256, head_dim=64)
     quant = {n: T.Q4_1 for n in weights if n.endswith("_proj.weight")}
     path = str(tmp_path / "q4_1.gguf")
     write_tiny_gguf(path, "llama", weights, quant)
-    choice = CpuChoice(torch.bfloat16, packed_faster, "as the test says")
+    choice = CpuChoice(torch.bfloat16, packed_faster, w8a8_batches, "as the test says")
     monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: choice)
     llm = LLM(path, dtype=dtype, max_running_req=4)
     try:
-        layer = llm.engine.model.model.layers[1].mlp.down_proj
+        model = llm.engine.model
+        layer = model.model.layers[1].mlp.down_proj
         # a float32 model keeps float32 results: the packed kernels take bf16 activations
         if packed_faster and dtype == "bfloat16":
-            assert isinstance(layer.qweight, Int4Weight) and layer.has_float()
-            assert isinstance(llm.engine.model.lm_head.qweight, Int8Weight)
+            assert isinstance(layer.qweight, Int4Weight) and layer.serves_batches_apart()
+            assert isinstance(model.lm_head.qweight, Int8Weight)
+            if w8a8_batches:
+                # prompts and batches above 4 rows take smoothed W8A8 copies; no float weight is left
+                for m in (layer, model.lm_head, model.model.layers[0].self_attn.qkv_proj):
+                    assert isinstance(m.batch_qweight, W8A8Weight) and m.batch_qweight.inv_smooth is not None
+                    assert m.weight is None and m.packed is None and m.max_rows == 4
+            else:
+                assert layer.batch_qweight is None and (layer.weight is not None or layer.packed is not None)
         else:
-            assert layer.qweight is None and layer.has_float()
+            assert layer.qweight is None and layer.batch_qweight is None and layer.serves_batches_apart()
         out = llm.generate([[3, 4, 5], [6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
         assert all(len(o["token_ids"]) == 4 for o in out)
     finally:

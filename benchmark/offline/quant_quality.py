@@ -17,8 +17,8 @@ common prefix. Perplexity is over a fixed English text
 (what the packed kernels multiply by, read back from them), so it isolates the weights' error; where
 the engine rounds a layer's input to int8 (w8a8: per token, `minisgl.layers.quant.quantize_rows`; packed
 weights on a CPU with VNNI: blocks of 32, `minisgl.kernel.cpu.qlinear`) the hook rounds it the same
-way, so the figure includes the activations' error. The w8a8 rows run
-twice: the LM head int8 weight-only (the engine's choice) and W8A8 like the other layers.
+way, so the figure includes the activations' error (w8a8's smoothing too). The w8a8 rows run twice: the
+LM head W8A8 like the other layers (the engine's choice) and int8 weight-only.
 """
 
 from __future__ import annotations
@@ -94,44 +94,58 @@ def requantize_gguf(src: str, dst: str, qtype_name: str) -> str:
     return dst
 
 
-def effective_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def effective_weights(
+    model: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor | None]]]:
     """Hugging Face names -> float32 weights of every linear layer, as minisgl multiplies by them; and
     for the layers (names without ".weight") whose activations minisgl rounds to int8, how: "row" (one
-    scale a token, w8a8) or "block" (one a block of 32, the C kernel of packed weights)."""
+    scale a token, w8a8, with the layer's smoothing: 1 / s a channel, or None) or "block" (one a block
+    of 32, the C kernel of packed weights)."""
     from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
     from minisgl.layers.quant import W8A8Weight
 
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     out: dict[str, torch.Tensor] = {}
-    quantized_inputs: dict[str, str] = {}
+    quantized_inputs: dict[str, tuple[str, torch.Tensor | None]] = {}
     for name, m in model.named_modules():
         if not isinstance(m, QuantizableLinear):
             continue
-        w = m.qweight.dequantize() if m.qweight is not None else m.weight.float()
+        # the copy a prompt is multiplied by: a W8A8 copy for batches where there is one (auto)
+        q = m.batch_qweight if m.batch_qweight is not None else m.qweight
+        w = q.dequantize() if q is not None else m.weight.float()
         pieces = {f"{name}.weight": w}
         if isinstance(m, LinearColParallelMerged):
             parent, _, leaf = name.rpartition(".")
             pieces = {f"{parent}.{sub}.weight": p for sub, p in zip(parts[leaf], w.split(m.local_sizes))}
         out |= pieces
-        if isinstance(m.qweight, W8A8Weight):
-            quantized_inputs |= {k.removesuffix(".weight"): "row" for k in pieces}
-        elif getattr(m.qweight, "pack", None) is not None:
-            quantized_inputs |= {k.removesuffix(".weight"): "block" for k in pieces}
+        if isinstance(q, W8A8Weight):
+            inv = q.inv_smooth
+            quantized_inputs |= {k.removesuffix(".weight"): ("row", inv) for k in pieces}
+        elif getattr(q, "pack", None) is not None:
+            quantized_inputs |= {k.removesuffix(".weight"): ("block", None) for k in pieces}
     return out, quantized_inputs
 
 
 def perplexity(
-    folder: str, weights: dict[str, torch.Tensor], quantized_inputs: dict[str, str], ids: list[int]
+    folder: str,
+    weights: dict[str, torch.Tensor],
+    quantized_inputs: dict[str, tuple[str, torch.Tensor | None]],
+    ids: list[int],
 ) -> float:
     from transformers import AutoModelForCausalLM
 
     from minisgl.kernel.cpu.qlinear import BLOCK, q8_blocks_reference
     from minisgl.layers.quant import quantize_rows
 
-    def round_rows(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x = args[0]
-        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((q.float() * scale).reshape(x.shape), *args[1:])
+    def round_rows(inv: torch.Tensor | None):  # noqa: ANN202 - a forward pre-hook
+        def hook(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            # the engine multiplies the codes of x / s by w * s; the same as these values times w
+            x = args[0]
+            q, scale = quantize_rows(x.reshape(-1, x.shape[-1]), inv)
+            xq = q.float() * scale
+            return ((xq if inv is None else xq / inv).reshape(x.shape), *args[1:])
+
+        return hook
 
     def round_blocks(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]
@@ -142,7 +156,8 @@ def perplexity(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for name, module in model.named_modules():
         if name in quantized_inputs:
-            module.register_forward_pre_hook(round_rows if quantized_inputs[name] == "row" else round_blocks)
+            kind, inv = quantized_inputs[name]
+            module.register_forward_pre_hook(round_rows(inv) if kind == "row" else round_blocks)
     if model.config.tie_word_embeddings:
         # the tied head's packed copy is what scores tokens; the embedding lookup reads the float table
         model.config.tie_word_embeddings = False
@@ -166,7 +181,7 @@ def main() -> None:
         "--only",
         default=None,
         help="comma-separated quantization values to run beside the two float references, of "
-        "none, int8, w8a8, w8a8+head, gguf (the GGUF rows) (default: all)",
+        "none, int8, w8a8, w8a8+int8head, gguf (the GGUF rows), auto (default: all)",
     )
     args = p.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
@@ -187,9 +202,12 @@ def main() -> None:
         ("float32 (reference)", src, "float32", "none"),
         ("bf16 weights", src, "bfloat16", "none"),
         ("int8 per channel", src, "bfloat16", "int8"),
-        ("w8a8 (int8 LM head)", src, "bfloat16", "w8a8"),
-        ("w8a8, W8A8 LM head", src, "bfloat16", "w8a8+head"),
+        ("w8a8 (W8A8 LM head)", src, "bfloat16", "w8a8"),
+        ("w8a8, int8 LM head", src, "bfloat16", "w8a8+int8head"),
         (f"{src_type} packed", src, "bfloat16", "gguf"),
+        # the default: the file's packing for up to 4 rows, W8A8 for prompts and larger batches where the
+        # CPU measures it faster (the float weights elsewhere: then this row's perplexity is not theirs)
+        (f"auto ({src_type} + W8A8 for batches)", src, "bfloat16", "auto"),
         *[(f"{q} packed", path, "bfloat16", "gguf") for q, path in made.items()],
     ]
     if args.only is not None:
@@ -200,9 +218,11 @@ def main() -> None:
     refs: list[list[list[int]]] = []
     for label, path, dtype, quant in runs:
         start = time.perf_counter()
-        # the engine's w8a8 keeps the LM head int8 weight-only; "+head" measures the alternative
-        quantize.W8A8_HEAD = quant.endswith("+head")
-        llm = LLM(path, dtype=dtype, quantization=quant.removesuffix("+head"), max_running_req=len(PROMPTS))
+        # the engine's w8a8 makes the LM head W8A8 too; "+int8head" measures it int8 weight-only
+        quantize.W8A8_HEAD = not quant.endswith("+int8head")
+        llm = LLM(
+            path, dtype=dtype, quantization=quant.removesuffix("+int8head"), max_running_req=len(PROMPTS)
+        )
         prompts = [chat_template_ids(llm.tokenizer, [{"role": "user", "content": t}]) for t in PROMPTS]
         outs = [o["token_ids"] for o in llm.generate(prompts, params)]
         weights, quantized_inputs = effective_weights(llm.engine.model)

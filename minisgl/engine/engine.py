@@ -44,6 +44,16 @@ from minisgl.utils.torch_utils import CopyDone, create_stream, default_device, r
 logger = init_logger(__name__)
 
 
+@dataclass(frozen=True)
+class QuantPlan:
+    """How a CPU engine packs its weights (minisgl/models/quantize.py): the `quantization` value; with
+    `keep_float` the float weights stay for prompts and large batches, or `batch_w8a8` W8A8 copies do."""
+
+    quantization: str
+    keep_float: bool = False
+    batch_w8a8: bool = False
+
+
 @dataclass
 class ForwardOutput:
     next_tokens_gpu: torch.Tensor
@@ -74,6 +84,7 @@ class Engine:
         self.max_seq_len = self._max_seq_len()
         self.model_config.max_position_embeddings = self.max_seq_len  # the rotary table needs no more
         self.kv_scales = KVScales(self.model_config.num_layers)
+        quantization = self._quantization()
         self.model = self._build_model()
         if self.device.type == "cuda":
             # from here the host's work per step is tensors of a few hundred elements, where intra-op
@@ -135,6 +146,7 @@ class Engine:
         self.compiled_decode = CompiledDecode(
             self.model.forward, self.device, self.attn_backend, self.tp_info.size
         )
+        self._quantize(quantization)
         start = time.perf_counter()
         warm_up(self)
         logger.info_rank0(f"warm-up ran the first steps in {time.perf_counter() - start:.1f} s")
@@ -186,51 +198,75 @@ class Engine:
             torch.set_default_dtype(old)
         # an FP8 KV cache's scales travel with the weights: they are kept aside for the pool
         load_weights(model, self.kv_scales.take(iter_safetensors(self.model_dir)))
-        self._quantize(model)
+        return model.eval()
+
+    def _quantization(self) -> QuantPlan | None:
+        """What `_quantize` will do, or None for the float weights. Checked before anything is loaded, so
+        that a refused value fails at once."""
+        quantization = self.config.quantization
+        if quantization == "none":
+            return None
+        if self.device.type != "cpu":
+            if quantization is not None:
+                raise ValueError(
+                    f"quantization={quantization!r} runs on the CPU only; this engine runs on {self.device}"
+                )
+            return None
+        if quantization is None:
+            from minisgl.utils.cpu_probe import cpu_choice
+
+            # the packed kernels take bf16 activations: a float32 model keeps its float32 results
+            choice = cpu_choice()
+            if (
+                not find_model(self.config.model_path).endswith(".gguf")
+                or self.config.dtype != torch.bfloat16
+                or self.tp_info.size > 1
+                or not choice.packed_weights
+            ):
+                return None
+            # packed for the few-row decode steps where they are faster; prompts and larger batches take
+            # W8A8 where it beats oneDNN's bf16 matmul here, the float weights elsewhere
+            return QuantPlan(
+                "gguf", keep_float=True, batch_w8a8=choice.w8a8_batches and ENV.CPU_W8A8_BATCHES.value
+            )
+        if quantization == "gguf" and self.tp_info.size > 1:
+            raise ValueError(
+                "quantization='gguf' runs with tp_size 1 only; use 'int8' or 'none' with tensor parallelism"
+            )
+        return QuantPlan(quantization)
+
+    def _quantize(self, plan: QuantPlan | None) -> None:
+        """Pack the weights as `plan` says, then (CPU) the float ones left in oneDNN's layout. Runs once the
+        pool and the backend exist: W8A8 first runs the float model over its calibration text."""
+        model = self.model
+        if plan is not None:
+            from minisgl.models.quantize import quantize_model
+
+            peaks = None
+            if plan.quantization == "w8a8" or plan.batch_w8a8:
+                from minisgl.engine.calibrate import input_peaks
+                from minisgl.models.smoothing import calibration_ids
+
+                start = time.perf_counter()
+                ids = calibration_ids(self.model_dir, self.model_config.vocab_size, self.max_seq_len - 2)
+                peaks = input_peaks(self, ids)
+                logger.info_rank0(
+                    f"W8A8 smoothing calibrated on {len(ids)} tokens in {time.perf_counter() - start:.2f} s"
+                )
+            source = find_model(self.config.model_path)
+            summary = quantize_model(
+                model, plan.quantization, source, plan.keep_float, peaks, plan.batch_w8a8
+            )
+            kept = ", W8A8 for prompts and large batches" if plan.batch_w8a8 else ""
+            if plan.keep_float and not plan.batch_w8a8:
+                kept = ", float kept for large batches"
+            logger.info_rank0(f"weights quantized ({plan.quantization}{kept}): {summary}")
         if self.device.type == "cpu":
             from minisgl.models.onednn_pack import pack_model
 
             summary = pack_model(model)
             if summary:
                 logger.info_rank0(summary)
-        return model.eval()
-
-    def _quantize(self, model: torch.nn.Module) -> None:
-        quantization = self.config.quantization
-        if quantization == "none":
-            return
-        if self.device.type != "cpu":
-            if quantization is not None:
-                raise ValueError(
-                    f"quantization={quantization!r} runs on the CPU only; this engine runs on {self.device}"
-                )
-            return
-        source = find_model(self.config.model_path)
-        keep_float = False
-        if quantization is None:
-            from minisgl.utils.cpu_probe import cpu_choice
-
-            # the packed kernels take bf16 activations: a float32 model keeps its float32 results
-            if (
-                not source.endswith(".gguf")
-                or self.config.dtype != torch.bfloat16
-                or self.tp_info.size > 1
-                or not cpu_choice().packed_weights
-            ):
-                return
-            # packed for the few-row decode steps where they are faster, float for prompts and for the
-            # batches where oneDNN is
-            quantization, keep_float = "gguf", True
-        if quantization == "gguf" and self.tp_info.size > 1:
-            raise ValueError(
-                "quantization='gguf' runs with tp_size 1 only; use 'int8' or 'none' with tensor parallelism"
-            )
-        from minisgl.models.quantize import quantize_model
-
-        summary = quantize_model(model, quantization, source, keep_float)
-        logger.info_rank0(
-            f"weights quantized ({quantization}{', float kept for large batches' if keep_float else ''}): {summary}"
-        )
 
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config

@@ -82,7 +82,8 @@ class QuantizableLinear(nn.Module):
 
     With `keep_float` the float weight stays beside the packed one and serves every prefill (and extend)
     step and the decode steps of more than `max_rows` rows; without, the float weight is dropped and
-    every batch uses the packed one.
+    every batch uses the packed one. A `batch_qweight` (W8A8, where it beats the float matmul on batches)
+    takes the float weight's place for those steps.
 
     `pack_onednn_` adds the float weight in oneDNN's layout (CPU, bf16), which then serves every batch
     of more than `LINEAR_MAX_ROWS` rows; the plain copy is dropped where nothing else reads it.
@@ -99,18 +100,26 @@ class QuantizableLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.qweight: QuantizedWeight | None = None
+        self.batch_qweight: QuantizedWeight | None = None
         self.max_rows = 0
         # not a buffer: an opaque oneDNN tensor, made after loading and never saved
         self.packed: torch.Tensor | None = None
 
-    def quantize_(self, qweight: QuantizedWeight, keep_float: bool, max_rows: int) -> None:
-        self.qweight, self.max_rows = qweight, max_rows
+    def quantize_(
+        self,
+        qweight: QuantizedWeight,
+        keep_float: bool,
+        max_rows: int,
+        batch_qweight: QuantizedWeight | None = None,
+    ) -> None:
+        self.qweight, self.max_rows, self.batch_qweight = qweight, max_rows, batch_qweight
         if not keep_float:
             self.weight = None
 
-    def has_float(self) -> bool:
-        """Whether a float copy of the weight (plain or oneDNN-packed) serves some batches."""
-        return self.weight is not None or self.packed is not None
+    def serves_batches_apart(self) -> bool:
+        """Whether another copy than `qweight` (float, oneDNN-packed, or `batch_qweight`) serves prompts and
+        the batches of more than `max_rows` rows."""
+        return self.weight is not None or self.packed is not None or self.batch_qweight is not None
 
     def pack_onednn_(self, keep_plain: bool) -> None:
         """Keep the float weight in oneDNN's layout; `keep_plain` keeps the plain one for 1-2 rows too."""
@@ -121,17 +130,21 @@ class QuantizableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # read once: every nn.Module attribute read of a parameter or submodule is a slow lookup
-        qweight, weight, packed = self.qweight, self.weight, self.packed
+        qweight, weight, packed, batch_qweight = self.qweight, self.weight, self.packed, self.batch_qweight
         rows = x.numel() // x.shape[-1]
         if qweight is None or (
-            (weight is not None or packed is not None) and (rows > self.max_rows or forwarding_prefill())
+            (weight is not None or packed is not None or batch_qweight is not None)
+            and (rows > self.max_rows or forwarding_prefill())
         ):
-            if packed is not None and (weight is None or rows > cpu_kernels.LINEAR_MAX_ROWS):
+            if batch_qweight is not None:
+                qweight = batch_qweight
+            elif packed is not None and (weight is None or rows > cpu_kernels.LINEAR_MAX_ROWS):
                 if x.dim() == 2:
                     return linear_onednn(x, packed)
                 return linear_onednn(x.reshape(rows, x.shape[-1]), packed).reshape(*x.shape[:-1], -1)
-            assert weight is not None
-            return linear(x, weight)
+            else:
+                assert weight is not None
+                return linear(x, weight)
         if x.dim() == 2:
             return qweight.matmul(x)
         shape = x.shape

@@ -52,6 +52,14 @@ class QuantizedWeight(nn.Module):
         raise NotImplementedError
 
 
+def round_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes [N, K] in [-127, 127] as float32, scale [N] float32), w ~ codes * scale[:, None]."""
+    w = w.float()
+    # a scale rounded to bf16 first, so that the codes are computed against the scale the kernel uses
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16).float()
+    return torch.round(w / scale[:, None]).clamp(-127, 127), scale
+
+
 class Int8Weight(QuantizedWeight):
     """Symmetric int8 with one scale per output channel: w[n, k] = q[n, k] * scale[n]."""
 
@@ -73,11 +81,7 @@ class Int8Weight(QuantizedWeight):
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Weight:
-        w = w.float()
-        # a scale rounded to bf16 first, so that the codes are computed against the scale the kernel uses
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16).float()
-        q = torch.round(w / scale[:, None]).clamp(-127, 127)
-        return cls(q, scale)
+        return cls(*round_per_channel(w))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         pack = self.pack
@@ -174,10 +178,13 @@ class Int4Weight(QuantizedWeight):
         return (codes.float().t() - 8) * scale + zero
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: x [M, K] -> (q [M, K] int8, scale [M, 1] float32), x ~ q * scale, the
-    row's largest magnitude at 127. The reference for the C kernel that does the same in one pass."""
+def quantize_rows(x: torch.Tensor, col_mul: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of x * col_mul (col_mul: [K] float32, W8A8's smoothing, or None): x [M, K]
+    -> (q [M, K] int8, scale [M, 1] float32), the row's largest magnitude at 127. The reference for the
+    C kernel that does the same in one pass."""
     xf = x.float()
+    if col_mul is not None:
+        xf = xf * col_mul
     scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
@@ -185,26 +192,52 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class W8A8Weight(Int8Weight):
     """Int8Weight's codes and scales, multiplied by activations quantized to int8 a row (token) at a time.
 
-    (Not by the C kernel's blocks of 32: this is the per-token scheme of GPU engines, kept to compare.)
+    (Not by the C kernel's blocks of 32: this is the per-token scheme of GPU engines.)
 
     y = (q_x @ q_w.T) * scale_x[m] * scale_w[n] with exact int32 sums: the only errors are the two
-    roundings to int8. An activation row with one large outlier loses precision in all its other
-    values; docs/benchmarks.md has what that costs a small model.
+    roundings to int8. An activation row with one large outlier channel loses precision in all its other
+    values, so the input channels are smoothed (SmoothQuant): the codes are those of w * s (s: [K], one
+    factor an input channel, `minisgl/models/smoothing.py`) and the activations are multiplied by 1 / s
+    before their rounding, which moves part of each outlier channel's range into the weight's columns.
+    Without s (None) the activations are rounded as they come; docs/benchmarks.md has what each costs.
     """
 
     q8_activations = False
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor | None = None) -> None:
         super().__init__(q, scale)
         # the rescale multiplies in float32: the bf16 scale widened once here, not at every call
         self.register_buffer("scale_f32", self.scale.float())
+        if inv_smooth is not None:
+            assert inv_smooth.shape == (self.in_features,)
+            inv_smooth = inv_smooth.float().contiguous()
+        self.register_buffer("inv_smooth", inv_smooth)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, smooth: torch.Tensor | None = None) -> W8A8Weight:
+        """The codes of w (or of w * smooth, column by column) as Int8Weight rounds them."""
+        if smooth is None:
+            return cls(*round_per_channel(w))
+        smooth = smooth.float()
+        return cls(*round_per_channel(w.float() * smooth), 1 / smooth)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        lib = cpu_kernels.library() if x.device.type == "cpu" else None
-        if lib is not None and x.dtype in (torch.float32, torch.bfloat16):
-            xq, row_scale = cpu_kernels.quantize_rows_int8(lib, x)
+        inv_smooth = self.inv_smooth
+        cpu_float = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        if cpu_float and torch.compiler.is_compiling():
+            # one opaque node (a compiled step runs only where the kernels were built): inductor would
+            # round the torch ops' divisions otherwise than the C ends do
+            return torch.ops.minisgl.cpu_linear_w8a8(x, self.q, self.scale_f32, inv_smooth)
+        lib = cpu_kernels.library() if cpu_float else None
+        if lib is not None:
+            xq, row_scale = cpu_kernels.quantize_rows_int8(lib, x, inv_smooth)
             acc = torch._int_mm(xq, self.q.t())
             return cpu_kernels.rescale_int32(lib, acc, row_scale, self.scale_f32, x.dtype)
-        xq, row_scale = quantize_rows(x)
+        xq, row_scale = quantize_rows(x, inv_smooth)
         acc = torch._int_mm(xq, self.q.t())
         return (acc.float() * (row_scale * self.scale_f32)).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        # the weight that multiplies the unsmoothed x: the codes' columns divided by their factors again
+        w = super().dequantize()
+        return w if self.inv_smooth is None else w * self.inv_smooth

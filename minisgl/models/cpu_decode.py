@@ -132,7 +132,7 @@ class CpuDecodeLayers:
     @staticmethod
     def _max_rows(m: QuantizableLinear) -> int:
         # the packed weight serves batches of up to max_rows rows where the float one is kept, all without
-        return m.max_rows if m.has_float() else 1 << 30
+        return m.max_rows if m.serves_batches_apart() else 1 << 30
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, batch: Batch

@@ -5,17 +5,18 @@
   by activations rounded to int8 in blocks of 32 on a CPU with AVX512-VNNI (`minisgl/layers/quant.py`),
   by bf16 activations elsewhere.
 - "w8a8": the same int8 weights, multiplied by activations quantized to int8 per token at run time
-  (integer dot products, int32 sums); the LM head stays int8 weight-only (`W8A8_HEAD` says why).
+  (integer dot products, int32 sums), every layer's input channels smoothed (`minisgl/models/smoothing.py`,
+  calibrated at load); the LM head too (`W8A8_HEAD`).
 - "gguf": a GGUF file's own packing: Q4_0 / Q4_1 / Q4_K layers as int4 groups of 32 with the file's
   codes; layers of other quantized types (Q8_0, Q5_0, Q6_K, ...) and a merged layer whose parts differ
   as per-channel int8 of their float values (torch has no int8 kernel with a scale per group); the LM
   head as int8; layers stored as F32 / F16 / BF16 stay float.
 - "none": the float weights (a GGUF file dequantized).
-- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing beside the float weights: packed
-  for decode steps of up to `PACKED_MAX_ROWS` rows, where it measured faster, float for larger ones and
-  for every prompt (`QuantizableLinear` says why; `minisgl/layers/quant.py`); float everywhere else. Never w8a8:
-  faster on batches, but its greedy agreement and perplexity are outside what this default accepts
-  (docs/benchmarks.md, "W8A8").
+- None ("auto"): on a CPU, for a GGUF file in bf16, the file's packing for decode steps of up to
+  `PACKED_MAX_ROWS` rows, where it measured faster; prompts and larger batches take smoothed W8A8 copies
+  where the start-up timing finds W8A8 faster than bf16 (`utils/cpu_probe.py`; it was, 0.6-0.7x, on
+  AVX512-VNNI without AMX), the float weights elsewhere (`QuantizableLinear` says why prompts never take the packed copy).
+  W8A8's perplexity on the default model is within 0.1 of the float weights' (docs/benchmarks.md, "W8A8").
 The embedding lookup always reads the float table: it touches one row per token.
 """
 
@@ -30,14 +31,16 @@ from torch import nn
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
 from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
+from minisgl.models.smoothing import smoothing_factors
 
 # rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
 # on AVX512-BF16 without AMX, int4 takes 0.5x of bf16's time at 1 and 4 rows, 0.9-1.3x at 8 and 1.9x
 # at 16 (benchmark/offline/quant_matmul.py, docs/benchmarks.md)
 PACKED_MAX_ROWS = 4
 
-# whether "w8a8" quantizes the LM head's activations too, or keeps it int8 weight-only (see docs/benchmarks.md)
-W8A8_HEAD = False
+# whether "w8a8" quantizes the LM head's activations too, or keeps it int8 weight-only: smoothed, the W8A8
+# head measured as good (perplexity 25.28 against 25.31) and faster at every batch (docs/benchmarks.md)
+W8A8_HEAD = True
 
 
 @dataclass
@@ -49,23 +52,47 @@ class _Groups:
     offset: np.ndarray
 
 
-def quantize_model(model: nn.Module, quantization: str, gguf_path: str | None, keep_float: bool) -> str:
-    """Pack the linear layers of `model` in place; returns a one-line summary for the log."""
+def quantize_model(
+    model: nn.Module,
+    quantization: str,
+    gguf_path: str | None,
+    keep_float: bool,
+    input_peaks: dict[str, torch.Tensor] | None = None,
+    batch_w8a8: bool = False,
+) -> str:
+    """Pack the linear layers of `model` in place; returns a one-line summary for the log. `input_peaks`
+    (module name -> the peaks of its input channels, engine/calibrate.py) smooths the W8A8 layers;
+    `batch_w8a8` gives every packed layer a W8A8 copy for prompts and large batches in place of the float
+    weight (`keep_float` then keeps nothing)."""
     groups = _gguf_groups(gguf_path, model) if quantization == "gguf" else {}
     modules = dict(model.named_modules())
     counts: dict[str, int] = {}
+    peaks = input_peaks or {}
     for name, module in modules.items():
         if not isinstance(module, QuantizableLinear) or module.weight is None:
             continue
-        qweight = _pack(name, module, quantization, groups)
+        qweight = _pack(name, module, quantization, groups, peaks.get(name))
         if qweight is None:
             continue
-        # a tied LM head shares its float weight with the embedding, which needs it
-        keep = keep_float or (isinstance(module, ParallelLMHead) and _is_tied(model))
-        module.quantize_(qweight, keep, PACKED_MAX_ROWS if keep else 0)
-        kind = type(qweight).__name__
-        counts[kind] = counts.get(kind, 0) + 1
+        batch = _w8a8(module.weight, peaks.get(name)) if batch_w8a8 else None
+        # a tied LM head shares its float weight with the embedding, which needs it, and the int8 head is
+        # slow on batches; a W8A8 copy beats the float one at every batch (docs/benchmarks.md, "W8A8"),
+        # so where there is one nothing else reads the float weight
+        keep = (
+            batch is None
+            and not isinstance(qweight, W8A8Weight)
+            and (keep_float or (isinstance(module, ParallelLMHead) and _is_tied(model)))
+        )
+        module.quantize_(qweight, keep, PACKED_MAX_ROWS if keep or batch is not None else 0, batch)
+        kinds = [type(qweight).__name__] + ([f"{type(batch).__name__} for batches"] if batch else [])
+        for kind in kinds:
+            counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no layer packed"
+
+
+def _w8a8(weight: torch.Tensor, input_peak: torch.Tensor | None) -> W8A8Weight:
+    smooth = None if input_peak is None else smoothing_factors(input_peak, weight)
+    return W8A8Weight.from_float(weight, smooth)
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -73,12 +100,17 @@ def _is_tied(model: nn.Module) -> bool:
 
 
 def _pack(
-    name: str, module: QuantizableLinear, quantization: str, groups: dict[str, list[_Groups | None]]
+    name: str,
+    module: QuantizableLinear,
+    quantization: str,
+    groups: dict[str, list[_Groups | None]],
+    input_peak: torch.Tensor | None,
 ) -> QuantizedWeight | None:
     assert module.weight is not None
     if quantization == "w8a8":
-        head = isinstance(module, ParallelLMHead)
-        return (W8A8Weight if W8A8_HEAD or not head else Int8Weight).from_float(module.weight)
+        if isinstance(module, ParallelLMHead) and not W8A8_HEAD:
+            return Int8Weight.from_float(module.weight)
+        return _w8a8(module.weight, input_peak)
     if quantization == "int8" or isinstance(module, ParallelLMHead):
         # the LM head as int8: at one row it is 1.6x faster than the bf16 kernel and int4 (measured)
         return Int8Weight.from_float(module.weight)

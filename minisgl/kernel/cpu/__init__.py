@@ -134,7 +134,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_bf16.restype = None
     lib.rotary_bf16.argtypes = [p, p, p, p, i64, i32, i32, i32, i64, i64, i32]
     lib.rotary_bf16.restype = None
-    lib.quantize_rows_int8.argtypes = [p, i32, i64, p, p, i32, i32, i32]
+    lib.quantize_rows_int8.argtypes = [p, i32, i64, p, p, p, i32, i32, i32]
     lib.quantize_rows_int8.restype = None
     lib.rescale_int32.argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.rescale_int32.restype = None
@@ -373,9 +373,13 @@ def rotary_bf16(
     return q, k
 
 
-def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] float32 or bf16 (rows may be strided) -> (q [M, K] int8, scale [M, 1] float32), each
-    row symmetric with its largest magnitude at 127, as `layers.quant.quantize_rows` computes it."""
+def quantize_rows_int8(
+    lib: ctypes.CDLL, x: torch.Tensor, col_mul: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] float32 or bf16 (rows may be strided), col_mul: [K] float32 or None -> (q [M, K] int8,
+    scale [M, 1] float32) of x * col_mul, each row symmetric with its largest magnitude at 127, as
+    `layers.quant.quantize_rows` computes it."""
+    assert col_mul is None or (col_mul.dtype == torch.float32 and col_mul.is_contiguous())
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -385,6 +389,7 @@ def quantize_rows_int8(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor,
         x.data_ptr(),
         FLOAT_KINDS[x.dtype],
         x.stride(0),
+        None if col_mul is None else col_mul.data_ptr(),
         q.data_ptr(),
         scale.data_ptr(),
         m,

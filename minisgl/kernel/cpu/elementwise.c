@@ -73,11 +73,12 @@ void rotary_bf16(uint16_t *q, uint16_t *k, const int64_t *positions, const float
 // torch ops each end is four to six launches, about 10 us at one row against 9 us for the integer
 // matmul itself (measured, SmolLM2's 576 x 1536 layer); here each is one pass.
 
-// x: [M, K] float32 (x_kind 0) or bf16 (x_kind 1), rows ld elements apart; q: [M, K] int8;
-// scale: [M] float32 with x[m, k] ~ q[m, k] * scale[m]. Symmetric, codes in [-127, 127], the row's
-// largest magnitude mapped to 127; rounding half to even (torch.round's).
-void quantize_rows_int8(const void *x, int x_kind, int64_t ld, int8_t *q, float *scale, int M, int K,
-                        int num_threads) {
+// x: [M, K] float32 (x_kind 0) or bf16 (x_kind 1), rows ld elements apart; col_mul: [K] float32 or NULL;
+// q: [M, K] int8; scale: [M] float32 with x[m, k] * col_mul[k] ~ q[m, k] * scale[m]. Symmetric, codes in
+// [-127, 127], the row's largest magnitude mapped to 127; rounding half to even (torch.round's).
+// col_mul is W8A8's smoothing (minisgl/models/smoothing.py): one float32 product an element, as torch's.
+void quantize_rows_int8(const void *x, int x_kind, int64_t ld, const float *col_mul, int8_t *q, float *scale,
+                        int M, int K, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 1)
     for (int m = 0; m < M; ++m) {
         float row[K];
@@ -86,6 +87,9 @@ void quantize_rows_int8(const void *x, int x_kind, int64_t ld, int8_t *q, float 
             for (int k = 0; k < K; ++k) row[k] = bf2f(xm[k]);
         } else {
             memcpy(row, (const float *)x + (int64_t)m * ld, sizeof(float) * K);
+        }
+        if (col_mul != NULL) {
+            for (int k = 0; k < K; ++k) row[k] *= col_mul[k];
         }
         // comparisons, not fmaxf / fminf: those are library calls where NaNs are allowed, and do not vectorise
         float amax = 0.0f;

@@ -36,6 +36,7 @@ _LIB.define(
 _LIB.define("cpu_linear_bf16(Tensor x, Tensor weight) -> Tensor")
 _LIB.define("cpu_linear_q4(Tensor x, Tensor qs, Tensor d, Tensor off) -> Tensor")
 _LIB.define("cpu_linear_i8(Tensor x, Tensor w, Tensor scale) -> Tensor")
+_LIB.define("cpu_linear_w8a8(Tensor x, Tensor q, Tensor scale, Tensor? inv_smooth) -> Tensor")
 
 
 def cpu_decode_attention(
@@ -80,10 +81,21 @@ def cpu_linear_i8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torc
     return qlinear.linear_i8(_lib(), x, qlinear.I8Pack(w, scale))
 
 
+def cpu_linear_w8a8(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor | None
+) -> torch.Tensor:
+    """W8A8Weight.matmul's eager path in one node: x [M, K] (times inv_smooth) rounded to int8 a row, times
+    the int8 codes q [N, K] with int32 sums, rescaled by the row's and the channel's (float32) scale."""
+    lib = _lib()
+    xq, row_scale = cpu_kernels.quantize_rows_int8(lib, x, inv_smooth)
+    return cpu_kernels.rescale_int32(lib, torch._int_mm(xq, q.t()), row_scale, scale, x.dtype)
+
+
 _LIB.impl("cpu_decode_attention", cpu_decode_attention, "CPU")
 _LIB.impl("cpu_linear_bf16", cpu_linear_bf16, "CPU")
 _LIB.impl("cpu_linear_q4", cpu_linear_q4, "CPU")
 _LIB.impl("cpu_linear_i8", cpu_linear_i8, "CPU")
+_LIB.impl("cpu_linear_w8a8", cpu_linear_w8a8, "CPU")
 
 
 @torch.library.register_fake("minisgl::cpu_decode_attention", lib=_LIB)
@@ -104,3 +116,8 @@ def _(x, qs, d, off):  # noqa: ANN001, ANN202
 @torch.library.register_fake("minisgl::cpu_linear_i8", lib=_LIB)
 def _(x, w, scale):  # noqa: ANN001, ANN202
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.register_fake("minisgl::cpu_linear_w8a8", lib=_LIB)
+def _(x, q, scale, inv_smooth):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], q.shape[0]))
