@@ -224,3 +224,23 @@ def test_the_lm_heads_peaks_are_over_every_calibration_token(tiny_model, make_ll
     engine.model.lm_head.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
     input_peaks(engine, list(range(3, 40)))
     assert sum(seen) >= 37  # not only the last position, as a plain prefill scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_onednn_layout_gives_the_int_mm_paths_bits(dtype: torch.dtype) -> None:
+    from minisgl.layers.quant import onednn_int8_supported
+
+    if cpu_kernels.library() is None or not onednn_int8_supported():
+        pytest.skip("no C kernels or no oneDNN int8 matmul here")
+    w, x = weight_and_input(33, n=80, k=160, seed=6)
+    layer = W8A8Weight.from_float(w, smoothing_factors(x.abs().amax(dim=0), w))
+    assert layer.onednn is not None
+    got = layer.matmul(x.to(dtype))
+    layer.onednn = None
+    assert torch.equal(got, layer.matmul(x.to(dtype)))
+    # and the uint8 codes the oneDNN path multiplies are the int8 ones + 128
+    lib = cpu_kernels.library()
+    q8, s8 = cpu_kernels.quantize_rows_int8(lib, x.to(dtype), layer.inv_smooth)
+    qu, su = cpu_kernels.quantize_rows_int8(lib, x.to(dtype), layer.inv_smooth, as_uint8=True)
+    assert qu.dtype == torch.uint8 and torch.equal(qu.to(torch.int16) - 128, q8.to(torch.int16))
+    assert torch.equal(su, s8)

@@ -134,9 +134,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_bf16.restype = None
     lib.rotary_bf16.argtypes = [p, p, p, p, i64, i32, i32, i32, i64, i64, i32]
     lib.rotary_bf16.restype = None
-    lib.quantize_rows_int8.argtypes = [p, i32, i64, p, p, p, i32, i32, i32]
+    lib.quantize_rows_int8.argtypes = [p, i32, i64, p, p, p, i32, i32, i32, i32]
     lib.quantize_rows_int8.restype = None
-    lib.rescale_int32.argtypes = [p, p, p, p, i32, i32, i32, i32]
+    lib.rescale_int32.argtypes = [p, i32, p, p, p, i32, i32, i32, i32]
     lib.rescale_int32.restype = None
     lib.argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.argmax_rows.restype = None
@@ -374,16 +374,16 @@ def rotary_bf16(
 
 
 def quantize_rows_int8(
-    lib: ctypes.CDLL, x: torch.Tensor, col_mul: torch.Tensor | None = None
+    lib: ctypes.CDLL, x: torch.Tensor, col_mul: torch.Tensor | None = None, as_uint8: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] float32 or bf16 (rows may be strided), col_mul: [K] float32 or None -> (q [M, K] int8,
     scale [M, 1] float32) of x * col_mul, each row symmetric with its largest magnitude at 127, as
-    `layers.quant.quantize_rows` computes it."""
+    `layers.quant.quantize_rows` computes it; with `as_uint8`, q is code + 128 as uint8."""
     assert col_mul is None or (col_mul.dtype == torch.float32 and col_mul.is_contiguous())
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8)
+    q = torch.empty((m, k), dtype=torch.uint8 if as_uint8 else torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
     lib.quantize_rows_int8(
         x.data_ptr(),
@@ -394,6 +394,7 @@ def quantize_rows_int8(
         scale.data_ptr(),
         m,
         k,
+        int(as_uint8),
         torch.get_num_threads(),
     )
     return q, scale
@@ -402,13 +403,16 @@ def quantize_rows_int8(
 def rescale_int32(
     lib: ctypes.CDLL, acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """acc: [M, N] int32, row_scale: [M, 1], col_scale: [N] float32 -> acc * (row_scale * col_scale) in
-    dtype (float32 or bf16)."""
-    assert acc.dtype == torch.int32 and acc.is_contiguous() and col_scale.dtype == torch.float32
+    """acc: [M, N] int32 (or float32 holding int32 sums exactly), row_scale: [M, 1], col_scale: [N]
+    float32 -> acc * (row_scale * col_scale) in dtype (float32 or bf16)."""
+    assert (
+        acc.dtype in (torch.int32, torch.float32) and acc.is_contiguous() and col_scale.dtype == torch.float32
+    )
     m, n = acc.shape
     y = torch.empty((m, n), dtype=dtype)
     lib.rescale_int32(
         acc.data_ptr(),
+        int(acc.dtype == torch.float32),
         row_scale.data_ptr(),
         col_scale.data_ptr(),
         y.data_ptr(),
