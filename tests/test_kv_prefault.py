@@ -110,7 +110,7 @@ def test_the_cache_manager_reports_each_new_highest_page_once() -> None:
     cm = CacheManager(64, 1, torch.zeros(4, 64, dtype=torch.int32), "naive", will_use=seen.append)
     pages = [cm._take_page() for _ in range(5)]
     assert pages == [0, 1, 2, 3, 4] and seen == [0, 1, 2, 3, 4]
-    cm.free_pages.extend([4, 2])
+    cm._free([4, 2])
     assert [cm._take_page(), cm._take_page(), cm._take_page()] == [2, 4, 5]
     assert seen == [0, 1, 2, 3, 4, 5]
 
