@@ -4,11 +4,12 @@ Rounding a token's activations to int8 with one scale a row costs most where a f
 tens of times larger than the rest (the inputs after the RMSNorms of SmolLM2-135M peak at 16-35x their
 row's mean magnitude): every other channel keeps only a few levels. With s[k] = peak_x[k]^a /
 peak_w[k]^(1 - a), the layer multiplies x[:, k] / s[k] by w[:, k] * s[k], the same product, with the
-range split between the two operands; a = 0.5 (SmoothQuant's choice) measured best here among 0.3-0.8.
-The peaks come from one prefill of `CALIBRATION` through the float model at load time
-(`minisgl/engine/calibrate.py`): which channels are large is a property of the weights, not of the
-text, so a few hundred tokens of mixed prose, chat, code and numbers find them (a fixed pseudo-random
-token sequence found nearly the same ones; docs/benchmarks.md, "W8A8").
+range split between the two operands; a = 0.5 is SmoothQuant's choice (0.4-0.6 measured within 0.2 of
+perplexity of each other on the default model, the eval text's own noise; 0.3 and 0.8 worse).
+The peaks come from one prefill of `CALIBRATION` through the float model at load
+(`minisgl/engine/calibrate.py`): a few hundred tokens of mixed prose, chat, code and numbers. A
+checkpoint without a tokenizer gets a fixed pseudo-random token sequence, which calibrates worse
+(perplexity 25.93 against 25.45 for the text, docs/benchmarks.md, "Smoothed W8A8").
 """
 
 from __future__ import annotations
