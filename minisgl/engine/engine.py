@@ -215,15 +215,16 @@ class Engine:
         if quantization is None:
             from minisgl.utils.cpu_probe import cpu_choice
 
-            # the packed kernels take bf16 activations: a float32 model keeps its float32 results
-            choice = cpu_choice()
+            # the packed kernels take bf16 activations: a float32 model keeps its float32 results; the
+            # timing runs only where its answer is needed
             if (
                 not find_model(self.config.model_path).endswith(".gguf")
                 or self.config.dtype != torch.bfloat16
                 or self.tp_info.size > 1
-                or not choice.packed_weights
+                or not cpu_choice().packed_weights
             ):
                 return None
+            choice = cpu_choice()
             # packed for the few-row decode steps where they are faster; prompts and larger batches take
             # W8A8 where it beats oneDNN's bf16 matmul here, the float weights elsewhere
             return QuantPlan(
