@@ -266,3 +266,23 @@ def test_a_tp2_trace_has_every_rank_with_the_same_steps(tiny_model: Callable[[st
         for pid in names
     }
     assert len(set(map(tuple, steps.values()))) == 1 and steps[next(iter(steps))]
+
+
+def test_w8a8_at_tp2_calibrates_on_every_rank_and_follows_the_float_tokens(
+    tiny_model: Callable[[str], str], hf_reference: Reference
+) -> None:
+    # each rank smooths its own shards from one calibration prefill that all ranks run together (its
+    # collectives included); the tokens are those of a quantized model, so they follow the float ones
+    # only mostly (measured 39 of 48 here; tp=1 w8a8: 20 of 32 on other prompts)
+    folder = tiny_model("llama")
+    llm = tp_llm(folder, quantization="w8a8")
+    try:
+        out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        got = [o["token_ids"] for o in out]
+        assert all(len(g) == 8 for g in got)
+        want = hf_reference(folder, PROMPTS, 8)
+        same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+        assert same >= 0.5 * 48, (got, want)
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
