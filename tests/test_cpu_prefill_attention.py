@@ -19,6 +19,7 @@ import torch
 from tiny import assert_nothing_held, random_prompts
 
 from minisgl.core import SamplingParams
+from minisgl.env import ENV
 from minisgl.kernel import cpu as cpu_kernels
 from minisgl.llm import LLM
 
@@ -247,7 +248,10 @@ def _chat_answers(in_c: bool) -> list[str]:
 
 
 @needs_kernel
-def test_the_default_model_in_bf16_gives_the_torch_paths_answers() -> None:
+def test_the_default_model_in_bf16_gives_the_torch_paths_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 batches, not the default's W8A8 ones: rounding activations to int8 turns the kernels' bf16-step
+    # differences into whole int8 steps, and the shared prompts' tokens parted at the first one (measured)
+    monkeypatch.setattr(ENV.CPU_W8A8_BATCHES, "value", False)
     answers = _chat_answers(True)
     assert answers[0] == "The capital of France is Paris."
     assert answers == _chat_answers(False)
