@@ -78,6 +78,11 @@ def run_minisgl(
 
     from minisgl import LLM, SamplingParams
 
+    if args.decode_tiles:
+        from minisgl.kernel import attention as attn
+
+        keys, warps, stages, even = (int(x) for x in args.decode_tiles.split(","))
+        attn.DECODE_CONFIG = attn.DecodeConfig(keys, warps, stages, bool(even))
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -86,6 +91,7 @@ def run_minisgl(
         max_running_req=args.max_running_req,
         tp_size=args.tp_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        page_size=args.page_size,
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
@@ -176,6 +182,13 @@ def main() -> None:
         help="minisgl's KV cache: auto (the model's dtype), bf16, or fp8_e4m3 (half the bytes a token)",
     )
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) for minisgl")
+    p.add_argument("--page-size", type=int, default=1, help="minisgl's KV page size (slots a page)")
+    p.add_argument(
+        "--decode-tiles",
+        default=None,
+        metavar="KEYS,WARPS,STAGES,EVEN",
+        help="GPU: force one decode-attention tile configuration for every batch (e.g. 128,4,3,1)",
+    )
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
     p.add_argument("--peer-batch", type=int, default=0, help="CPU peer batch size (0: all requests at once)")
@@ -237,6 +250,8 @@ def main() -> None:
         unused = {
             "--trace": args.trace,
             "--tp-size": args.tp_size > 1,
+            "--page-size": args.page_size != 1,
+            "--decode-tiles": args.decode_tiles,
             "--peer-batch": args.peer_batch,
             "--peer-requests": args.peer_requests,
             "--kv-cache-dtype": args.kv_cache_dtype not in (None, "auto"),

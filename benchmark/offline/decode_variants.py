@@ -9,6 +9,12 @@ bytes), so something other than DRAM bytes bounds it. The variants here test whi
           kernel with DecodeConfig.even, which it now takes for FP8 pools and small 16-bit batches);
   fp8_qk  (FP8 pools) the scores' dot in FP8 on the tensor cores: q rounded to e4m3 with a scale a head,
           so K is used as stored and only V is widened (to fp16) for the output's dot;
+  tiles   (--only tiles) the engine's kernel over a grid of tile configurations: keys a tile, warps,
+          stages, unmasked full tiles or not; with the engine's split count for the batch (decode_splits).
+  layout  (--only layout) the engine's choice and its alternatives on three placements of the same
+          contexts: slots scattered at random; as the engine places them with pages of one slot (each
+          prompt in one run, then every decode step's tokens side by side across the batch); and with
+          pages of 16 slots (a request's decode tokens in runs of 16).
   cc      no tensor cores: the GROUP heads' scores and outputs as float32 products and sums, so a tile
           goes from memory to registers and is used there (no shared-memory round trip, no padding rows).
 Each variant's output is checked against the engine kernel's before it is timed. Decode contexts are the
@@ -188,15 +194,162 @@ def run_variant(kernel: Any, block_h: int, q, k, v, table, rows, seq, scales, bl
     return out
 
 
+def sweep_tiles(bs: int, q, k, v, table, rows, seq, scales, kv_bytes: float) -> list[dict[str, Any]]:
+    """The engine's kernel at every tile configuration of the grid, each checked against the chosen one."""
+    from roofline import bench_ms
+
+    from minisgl.kernel import attention as attn
+
+    fp8 = k.dtype == torch.float8_e4m3fn
+    splits = attn.decode_splits(bs, k.shape[1])
+    args = (q, k, v, table, rows, seq, splits, q.shape[-1] ** -0.5, *(scales if fp8 else ()))
+    chosen = attn.decode_config(bs, k.shape[1], q.dtype, fp8)
+    ref = attn.decode_attention(*args)
+    rows_out: list[dict[str, Any]] = []
+    # registers bound the kernel's occupancy (201 a thread at 128 keys and 4 warps: two programs an SM),
+    # so the grid spans keys a tile and warps, which set the registers, more than stages
+    grid = [
+        attn.DecodeConfig(bn, w, st, even)
+        for bn in (32, 64, 128)
+        for w in (4, 8)
+        for st in (2, 3)
+        for even in (False, True)
+    ]
+    for cfg in grid:
+        attn.DECODE_CONFIG = cfg
+        row: dict[str, Any] = {"bs": bs, "fp8": fp8, "splits": splits, "variant": "tiles",
+                               "block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
+                               "even": cfg.even, "chosen": cfg == chosen}  # fmt: skip
+        try:
+            out = attn.decode_attention(*args)
+            row["max_diff"] = (out.float() - ref.float()).abs().max().item()
+            row["rel_diff"] = row["max_diff"] / max(ref.float().abs().max().item(), 1e-12)
+            ms = bench_ms(partial(attn.decode_attention, *args))
+            row |= {"us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9}
+        except Exception as e:  # a configuration the compiler refuses is a row, not the end
+            row["error"] = str(e)[:200]
+        finally:
+            attn.DECODE_CONFIG = None
+        rows_out.append(row)
+        print(row, flush=True)
+    return rows_out
+
+
+def scattered_batch(bs: int) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The workload's contexts halfway for `bs` requests, on slots scattered over a pool 64 slots larger:
+    the context lengths, the page table, the rows and the sequence lengths as the kernel takes them."""
+    from roofline import mid_run_contexts
+
+    lens = mid_run_contexts(bs)
+    total = sum(lens)
+    slots = torch.randperm(total + 64, device="cuda")[:total].to(torch.int32)
+    table = torch.zeros(bs, max(lens), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(lens):
+        table[i, :n] = slots[start : start + n]
+        start += n
+    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+    return lens, table, rows, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def engine_slots(prompts: list[int], decoded: list[int], page: int) -> list[list[int]]:
+    """Each request's slots as the engine allocates them, lowest free page first: every prompt's pages at
+    admission, then one token a step for each request still decoding (a new page when its last is full)."""
+    nxt = 0
+    slots: list[list[int]] = []
+    for n in prompts:
+        pages = -(-n // page)
+        slots.append([nxt + i for i in range(n)])
+        nxt += pages * page
+    for step in range(max(decoded)):
+        for r, d in enumerate(decoded):
+            if step >= d:
+                continue
+            pos = len(slots[r])
+            if pos % page == 0:  # the request's last page is full
+                slots[r].append(nxt)
+                nxt += page
+            else:
+                slots[r].append(slots[r][-1] + 1)
+    return slots
+
+
+def compare_layouts(bs: int) -> list[dict[str, Any]]:
+    """The decode kernel on one batch of contexts under three slot placements, bf16 and FP8 pools."""
+    from roofline import bench_ms, workload
+
+    from minisgl.kernel import attention as attn
+
+    hq, hk, d = 16, 8, 128
+    prompts_all, outs = workload()
+    prompts = [len(p) for p in prompts_all[:bs]]
+    decoded = [o // 2 for o in outs[:bs]]
+    lens = [p + o for p, o in zip(prompts, decoded)]
+    total = sum(lens)
+    placements = {
+        "scattered": None,
+        "engine-page1": engine_slots(prompts, decoded, 1),
+        "engine-page16": engine_slots(prompts, decoded, 16),
+    }
+    size = max(max(max(x) for x in v) for v in placements.values() if v) + 1
+    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
+    splits = attn.decode_splits(bs, hk)
+    out_rows: list[dict[str, Any]] = []
+    for fp8 in (False, True):
+        k = torch.randn(size, hk, d, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        scales = (torch.ones(1, device="cuda") * 0.5, torch.ones(1, device="cuda") * 0.5)
+        if fp8:
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        kv_bytes = 2 * total * hk * d * k.element_size()
+        chosen = attn.decode_config(bs, hk, q.dtype, fp8)
+        configs = [
+            ("chosen", chosen),
+            ("wide-4", attn.DecodeConfig(128, 4, 4)),
+            ("even-64-3", attn.DecodeConfig(64, 4, 3, True)),
+        ]
+        for name, placement in placements.items():
+            table = torch.zeros(bs, max(lens), dtype=torch.int32, device="cuda")
+            if placement is None:
+                flat = torch.randperm(size, device="cuda")[:total].to(torch.int32)
+                start = 0
+                for i, n in enumerate(lens):
+                    table[i, :n] = flat[start : start + n]
+                    start += n
+            else:
+                for i, sl in enumerate(placement):
+                    table[i, : len(sl)] = torch.tensor(sl, dtype=torch.int32, device="cuda")
+            args = (q, k, v, table, rows, seq, splits, d**-0.5, *(scales if fp8 else ()))
+            ref = attn.decode_attention(*args)
+            for label, cfg in configs:
+                attn.DECODE_CONFIG = cfg
+                try:
+                    out = attn.decode_attention(*args)
+                    rel = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                    ms = bench_ms(partial(attn.decode_attention, *args))
+                finally:
+                    attn.DECODE_CONFIG = None
+                row = {"bs": bs, "fp8": fp8, "placement": name, "config": label,
+                       "us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9, "rel_diff": rel}  # fmt: skip
+                out_rows.append(row)
+                print(row, flush=True)
+    return out_rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json")
     p.add_argument("--batches", default="64,256")
     p.add_argument(
-        "--only", choices=["all", "fp8_qk", "even"], default="all", help="one variant beside the engine's"
+        "--only",
+        choices=["all", "fp8_qk", "even", "tiles", "layout"],
+        default="all",
+        help="one variant beside the engine's",
     )
     args = p.parse_args()
-    from roofline import bench_ms, mid_run_contexts
+    from roofline import bench_ms
 
     from minisgl.kernel import attention as attn
 
@@ -207,17 +360,12 @@ def main() -> None:
         a @ a
     torch.cuda.synchronize()
     results: list[dict[str, Any]] = []
-    for bs in (int(b) for b in args.batches.split(",")):
-        lens = mid_run_contexts(bs)
+    if args.only == "layout":
+        for bs in (int(b) for b in args.batches.split(",")):
+            results += compare_layouts(bs)
+    for bs in (int(b) for b in args.batches.split(",")) if args.only != "layout" else ():
+        lens, table, rows, seq = scattered_batch(bs)
         total = sum(lens)
-        slots = torch.randperm(total + 64, device="cuda")[:total].to(torch.int32)
-        table = torch.zeros(bs, max(lens), dtype=torch.int32, device="cuda")
-        start = 0
-        for i, n in enumerate(lens):
-            table[i, :n] = slots[start : start + n]
-            start += n
-        rows = torch.arange(bs, dtype=torch.int32, device="cuda")
-        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
         for fp8 in (False, True):
             k = torch.randn(total + 64, hk, d, dtype=torch.bfloat16, device="cuda")
@@ -232,6 +380,9 @@ def main() -> None:
             base = {"bs": bs, "fp8": fp8, "variant": "tc", "us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9}
             results.append(base)
             print(base, flush=True)
+            if args.only == "tiles":
+                results += sweep_tiles(bs, q, k, v, table, rows, seq, scales, kv_bytes)
+                continue
             if args.only == "even":
                 grid = [("tc_even", None, 16, 128, 4, s) for s in (3, 4)]
             elif args.only == "fp8_qk":

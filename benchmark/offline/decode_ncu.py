@@ -1,0 +1,44 @@
+"""The decode kernel at batch 256 (the upstream workload's contexts halfway), once per variant, for Nsight Compute.
+
+    ncu --clock-control none -k regex:_decode_kernel --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmark/offline/decode_ncu.py
+
+Two pools, each launched once to compile and once to be profiled, in this order: bf16, then FP8, each with the
+engine's choice of tiles.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    from decode_variants import scattered_batch
+
+    from minisgl.kernel import attention as attn
+
+    bs, hq, hk, d = 256, 16, 8, 128
+    lens, table, rows, seq = scattered_batch(bs)
+    total = sum(lens)
+    q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(total + 64, hk, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    variants = [("bf16", (k, v), ()), ("fp8", (k8, v8), scales)]
+    for _, (kc, vc), sc in variants:  # compile each, outside the profiled launches
+        attn.decode_attention(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
+    torch.cuda.synchronize()
+    for name, (kc, vc), sc in variants:
+        attn.decode_attention(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
+        torch.cuda.synchronize()
+        print("profiled", name, flush=True)
+
+
+if __name__ == "__main__":
+    main()
