@@ -206,8 +206,8 @@ def sweep_tiles(bs: int, q, k, v, table, rows, seq, scales, kv_bytes: float) -> 
     chosen = attn.decode_config(bs, k.shape[1], q.dtype, fp8)
     ref = attn.decode_attention(*args)
     rows_out: list[dict[str, Any]] = []
-    # registers bound the kernel's occupancy (201 a thread at 128 keys and 4 warps: two programs an SM),
-    # so the grid spans keys a tile and warps, which set the registers, more than stages
+    # registers bound the kernel's occupancy (at 128 keys and 4 warps: 177 a thread on an FP8 pool, two
+    # programs an SM; 136 on bf16, three), so the grid spans keys a tile and warps, which set them
     grid = [
         attn.DecodeConfig(bn, w, st, even)
         for bn in (32, 64, 128)
