@@ -157,7 +157,7 @@ def test_default_model_compiled_greedy_tokens_agree_with_eager(
 
 
 @pytest.mark.parametrize("smoothed", [False, True])
-def test_a_compiled_w8a8_layer_gives_its_eager_bits(smoothed: bool) -> None:
+def test_a_compiled_w8a8_layer_gives_its_eager_bits(smoothed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from minisgl.kernel import cpu as cpu_kernels
     from minisgl.layers.quant import W8A8Weight
 
@@ -168,7 +168,10 @@ def test_a_compiled_w8a8_layer_gives_its_eager_bits(smoothed: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 96, generator=gen) * 0.05
     smooth = torch.empty(96).uniform_(0.3, 3.0, generator=gen) if smoothed else None
+    # as in an engine with the compiled step on: the layer then keeps the plain codes its operator reads
+    monkeypatch.setattr(ENV.CPU_COMPILE, "value", True)
     layer = W8A8Weight.from_float(w, smooth)
+    assert layer.q is not None
     x = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
     x[:, 5] *= 25
     compiled = torch.compile(lambda t: layer.matmul(t) * 1.0, fullgraph=True, dynamic=True)

@@ -19,7 +19,7 @@ from tiny import float_and_quantized_tokens
 
 from minisgl.core import SamplingParams
 from minisgl.kernel import cpu as cpu_kernels
-from minisgl.layers.quant import W8A8Weight, quantize_rows
+from minisgl.layers.quant import W8A8Weight, quantize_rows, round_per_channel
 from minisgl.llm import LLM
 from minisgl.llm.cli import build_parser as generate_parser
 from minisgl.models.smoothing import smoothing_factors
@@ -77,7 +77,7 @@ def test_the_c_kernels_equal_the_torch_ops_bit_for_bit() -> None:
             q_t, s_t = quantize_rows(xs)
             assert torch.equal(q_c, q_t) and torch.equal(s_c, s_t)
             assert q_t.abs().max() == 127 and not q_t[4].any()
-            acc = torch._int_mm(q_t, layer.q.t())
+            acc = torch._int_mm(q_t, layer.codes().t())
             torch_y = (acc.float() * (s_t * layer.scale_f32)).to(dtype)
             assert torch.equal(cpu_kernels.rescale_int32(lib, acc, s_t, layer.scale_f32, dtype), torch_y)
             assert torch.equal(layer.matmul(xs), torch_y)
@@ -233,10 +233,14 @@ def test_the_onednn_layout_gives_the_int_mm_paths_bits(dtype: torch.dtype) -> No
     if cpu_kernels.library() is None or not onednn_int8_supported():
         pytest.skip("no C kernels or no oneDNN int8 matmul here")
     w, x = weight_and_input(33, n=80, k=160, seed=6)
-    layer = W8A8Weight.from_float(w, smoothing_factors(x.abs().amax(dim=0), w))
+    smooth = smoothing_factors(x.abs().amax(dim=0), w)
+    layer = W8A8Weight.from_float(w, smooth)
     assert layer.onednn is not None
+    # oneDNN's copy serves every call: the plain codes are dropped, and read back from that copy
+    assert layer.q is None
+    assert torch.equal(layer.codes(), round_per_channel(w.float() * smooth.float())[0].to(torch.int8))
     got = layer.matmul(x.to(dtype))
-    layer.onednn = None
+    layer.q, layer.onednn = layer.codes(), None
     assert torch.equal(got, layer.matmul(x.to(dtype)))
     # and the uint8 codes the oneDNN path multiplies are the int8 ones + 128
     lib = cpu_kernels.library()

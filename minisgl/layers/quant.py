@@ -250,6 +250,10 @@ class W8A8Weight(Int8Weight):
                 torch.ones(self.out_features),  # the scales go on after, in rescale_int32's order
                 torch.zeros(self.out_features, dtype=torch.int64),
             )
+            if cpu_kernels.library() is not None and not ENV.CPU_COMPILE.value:
+                # every call then runs on oneDNN's copy: the plain codes (an int8 byte a weight, 134 MB
+                # for the default model) are dropped, and codes() reads them back from that copy
+                self.q = None
 
     @classmethod
     def from_float(cls, w: torch.Tensor, smooth: torch.Tensor | None = None) -> W8A8Weight:
@@ -283,8 +287,15 @@ class W8A8Weight(Int8Weight):
             acc = torch._int_mm(xq, self.q.t())
             return cpu_kernels.rescale_int32(lib, acc, row_scale, self.scale_f32, x.dtype)
         xq, row_scale = quantize_rows(x, inv_smooth)
-        acc = torch._int_mm(xq, self.q.t())
+        acc = torch._int_mm(xq, self.codes().t())
         return (acc.float() * (row_scale * self.scale_f32)).to(x.dtype)
+
+    def codes(self) -> torch.Tensor:
+        """[N, K] int8; from oneDNN's copy when the plain codes were dropped (its dense form is [K, N])."""
+        if self.q is not None:
+            return self.q
+        assert self.onednn is not None
+        return self.onednn[0].to_dense().t().contiguous()
 
     def dequantize(self) -> torch.Tensor:
         # the weight that multiplies the unsmoothed x: the codes' columns divided by their factors again
