@@ -7,6 +7,7 @@ CUDA machine the same tests run the compiled kernels. Skipped where triton is no
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -505,3 +506,12 @@ def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
     assert not gemm.serves(1, 4096, 1024) and not gemm.serves(17, 1024, 3072)
     x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
     assert gemm.skinny_matmul(x, torch.randn(32, 64).to(DEVICE, torch.float16)).shape == (0, 32)
+
+
+def test_the_decode_variant_with_v_transposed_in_pages_matches_the_engine_kernel() -> None:
+    """benchmark/offline/decode_vt.py's kernel (V as [page, kv head, dim, slot in page]) on the engine's
+    placement with pages of 16: the same attention as the engine's kernel over the plain pool."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark", "offline"))
+    from decode_vt import check
+
+    assert check(DEVICE.type) < 1e-5  # float32 products, in full precision as the engine's kernel takes them

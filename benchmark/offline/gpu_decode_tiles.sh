@@ -7,12 +7,18 @@
 #   bash benchmark/offline/gpu_decode_tiles.sh layout   # the Triton kernels' tests, decode_variants.py
 #       --only layout (scattered slots, the engine's placement with pages of 1 and of 16), then the
 #       upstream workload through bench.py with pages of 1 and 16, bf16 and FP8 caches
+#   bash benchmark/offline/gpu_decode_tiles.sh vt       # the Triton kernels' tests, then decode_vt.py: the
+#       decode kernel with V stored transposed within pages of 16 against the engine's, bf16 and FP8
 # Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
 mode=${1:-tiles}
 [ "$mode" = tiles ] || timeout 240 python -m pytest -q -rfs -p no:cacheprovider tests/test_triton_kernels.py tests/test_rotary_store.py \
     2>&1 | tee "$OUT/kernel_tests.log" | tail -4
+if [ "$mode" = vt ]; then
+    timeout 200 python benchmark/offline/decode_vt.py --batches 64,128,256 --json "$OUT/decode_vt.json" 2>&1 | tail -40
+    exit 0
+fi
 if [ "$mode" = layout ]; then
     timeout 200 python benchmark/offline/decode_variants.py --only layout --batches 64,256 \
         --json "$OUT/decode_layout.json" > "$OUT/decode_layout.log" 2>&1
