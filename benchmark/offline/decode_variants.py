@@ -274,6 +274,14 @@ def engine_slots(prompts: list[int], decoded: list[int], page: int) -> list[list
     return slots
 
 
+def page_table(placement: list[list[int]], device: str) -> torch.Tensor:
+    """The page table of each request's slots, one row a request."""
+    table = torch.zeros(len(placement), max(len(s) for s in placement), dtype=torch.int32, device=device)
+    for i, sl in enumerate(placement):
+        table[i, : len(sl)] = torch.tensor(sl, dtype=torch.int32, device=device)
+    return table
+
+
 def compare_layouts(bs: int) -> list[dict[str, Any]]:
     """The decode kernel on one batch of contexts under three slot placements, bf16 and FP8 pools."""
     from roofline import bench_ms, workload
@@ -287,11 +295,13 @@ def compare_layouts(bs: int) -> list[dict[str, Any]]:
     lens = [p + o for p, o in zip(prompts, decoded)]
     total = sum(lens)
     placements = {
-        "scattered": None,
         "engine-page1": engine_slots(prompts, decoded, 1),
         "engine-page16": engine_slots(prompts, decoded, 16),
     }
-    size = max(max(max(x) for x in v) for v in placements.values() if v) + 1
+    size = max(max(max(x) for x in v) for v in placements.values()) + 1
+    flat = torch.randperm(size)[:total].tolist()  # the same contexts on slots scattered over the pool
+    starts = [sum(lens[:i]) for i in range(bs)]
+    placements = {"scattered": [flat[a : a + n] for a, n in zip(starts, lens)]} | placements
     rows = torch.arange(bs, dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
@@ -311,16 +321,7 @@ def compare_layouts(bs: int) -> list[dict[str, Any]]:
             ("even-64-3", attn.DecodeConfig(64, 4, 3, True)),
         ]
         for name, placement in placements.items():
-            table = torch.zeros(bs, max(lens), dtype=torch.int32, device="cuda")
-            if placement is None:
-                flat = torch.randperm(size, device="cuda")[:total].to(torch.int32)
-                start = 0
-                for i, n in enumerate(lens):
-                    table[i, :n] = flat[start : start + n]
-                    start += n
-            else:
-                for i, sl in enumerate(placement):
-                    table[i, : len(sl)] = torch.tensor(sl, dtype=torch.int32, device="cuda")
+            table = page_table(placement, "cuda")
             args = (q, k, v, table, rows, seq, splits, d**-0.5, *(scales if fp8 else ()))
             ref = attn.decode_attention(*args)
             for label, cfg in configs:

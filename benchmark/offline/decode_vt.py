@@ -136,16 +136,9 @@ def decode_vt(
     return out
 
 
-def page_table(placement: list[list[int]], device: str) -> torch.Tensor:
-    table = torch.zeros(len(placement), max(len(s) for s in placement), dtype=torch.int32, device=device)
-    for i, sl in enumerate(placement):
-        table[i, : len(sl)] = torch.tensor(sl, dtype=torch.int32, device=device)
-    return table
-
-
 def check(device: str) -> float:
     """The variant against the engine's kernel on a small paged batch; returns the largest relative error."""
-    from decode_variants import engine_slots
+    from decode_variants import engine_slots, page_table
 
     from minisgl.kernel import attention as attn
 
@@ -177,7 +170,7 @@ def main() -> None:
             f"largest relative difference against the engine's kernel: {check('cuda' if torch.cuda.is_available() else 'cpu'):.2e}"
         )
         return
-    from decode_variants import engine_slots
+    from decode_variants import engine_slots, page_table
     from roofline import bench_ms, workload
 
     from minisgl.kernel import attention as attn

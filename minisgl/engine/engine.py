@@ -221,10 +221,11 @@ class Engine:
                 not find_model(self.config.model_path).endswith(".gguf")
                 or self.config.dtype != torch.bfloat16
                 or self.tp_info.size > 1
-                or not cpu_choice().packed_weights
             ):
                 return None
             choice = cpu_choice()
+            if not choice.packed_weights:
+                return None
             # packed for the few-row decode steps where they are faster; prompts and larger batches take
             # W8A8 where it beats oneDNN's bf16 matmul here, the float weights elsewhere
             return QuantPlan(
