@@ -81,8 +81,12 @@ def run_minisgl(
     if args.decode_tiles:
         from minisgl.kernel import attention as attn
 
-        keys, warps, stages, even = (int(x) for x in args.decode_tiles.split(","))
-        attn.DECODE_CONFIG = attn.DecodeConfig(keys, warps, stages, bool(even))
+        keys, warps, stages, even, *regs = (int(x) for x in args.decode_tiles.split(","))
+        attn.DECODE_CONFIG = attn.DecodeConfig(keys, warps, stages, bool(even), regs[0] if regs else None)
+    if args.decode_programs:
+        from minisgl.kernel import attention as attn
+
+        attn.TARGET_PROGRAMS = args.decode_programs
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -186,8 +190,17 @@ def main() -> None:
     p.add_argument(
         "--decode-tiles",
         default=None,
-        metavar="KEYS,WARPS,STAGES,EVEN",
-        help="GPU: force one decode-attention tile configuration for every batch (e.g. 128,4,3,1)",
+        metavar="KEYS,WARPS,STAGES,EVEN[,MAXNREG]",
+        help="GPU: force one decode-attention tile configuration for every batch (e.g. 128,4,3,1; a fifth "
+        "number caps the kernel's registers a thread, 0: the compiler's choice)",
+    )
+    p.add_argument(
+        "--decode-programs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="GPU: split decode contexts until a batch makes about N attention programs (the engine: "
+        "kernel/attention.py's TARGET_PROGRAMS)",
     )
     p.add_argument("--peer", default="auto", choices=["auto", "none"], help="run the transformers peer")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="CPU peer dtypes, comma separated")
@@ -252,6 +265,7 @@ def main() -> None:
             "--tp-size": args.tp_size > 1,
             "--page-size": args.page_size != 1,
             "--decode-tiles": args.decode_tiles,
+            "--decode-programs": args.decode_programs,
             "--peer-batch": args.peer_batch,
             "--peer-requests": args.peer_requests,
             "--kv-cache-dtype": args.kv_cache_dtype not in (None, "auto"),

@@ -235,6 +235,26 @@ def sweep_tiles(bs: int, q, k, v, table, rows, seq, scales, kv_bytes: float) -> 
     return rows_out
 
 
+def clocks_up() -> None:
+    """A second of matmuls: the first kernels of a process otherwise meet the GPU's idle clocks."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(60):
+        a @ a
+    torch.cuda.synchronize()
+
+
+def kv_pools(
+    slots: int, hk: int, d: int, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Random K and V pools of `slots` rows (FP8: the bf16 values cast) and the layer's two scales (0.5)."""
+    k = torch.randn(slots, hk, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    scales = (torch.ones(1, device="cuda") * 0.5, torch.ones(1, device="cuda") * 0.5)
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    return k, v, scales
+
+
 def scattered_batch(bs: int) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
     """The workload's contexts halfway for `bs` requests, on slots scattered over a pool 64 slots larger:
     the context lengths, the page table, the rows and the sequence lengths as the kernel takes them."""
@@ -355,11 +375,7 @@ def main() -> None:
     from minisgl.kernel import attention as attn
 
     hq, hk, d = 16, 8, 128
-    # a second of matmuls first: the first kernels of a process otherwise meet the GPU's idle clocks
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(60):
-        a @ a
-    torch.cuda.synchronize()
+    clocks_up()
     results: list[dict[str, Any]] = []
     if args.only == "layout":
         for bs in (int(b) for b in args.batches.split(",")):
@@ -369,11 +385,7 @@ def main() -> None:
         total = sum(lens)
         q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
         for fp8 in (False, True):
-            k = torch.randn(total + 64, hk, d, dtype=torch.bfloat16, device="cuda")
-            v = torch.randn_like(k)
-            scales = (torch.ones(1, device="cuda") * 0.5, torch.ones(1, device="cuda") * 0.5)
-            if fp8:
-                k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            k, v, scales = kv_pools(total + 64, hk, d, fp8)
             kv_bytes = 2 * total * hk * d * k.element_size()
             args_fp8 = scales if fp8 else (None, None)
             ref = attn.decode_attention(q, k, v, table, rows, seq, 1, d**-0.5, *args_fp8)

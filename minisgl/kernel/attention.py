@@ -31,13 +31,18 @@ class DecodeConfig:
     # full tiles loaded without masks, only a split's last tile masked: the loads then depend on nothing
     # but the page table, and the pipeline keeps more of them in flight (16-bit queries only)
     even: bool = False
+    # registers a thread at most (ptxas's .maxnreg; None: the compiler's choice), which sets how many
+    # programs an SM holds: 65,536 registers over num_warps * 32 threads
+    maxnreg: int | None = None
 
 
 # measured on an H200 (docs/benchmarks.md, "Decode attention: unmasked full tiles"): wide masked tiles once
 # a bf16 batch alone fills the GPU; below that, and always for an FP8 pool, unmasked full tiles of 128
 # keys with a deeper pipeline; a float32 query keeps the small masked tiles its shared memory allows
 WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
-EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True)
+# the FP8 kernel waits on its warps' latency, not on DRAM (docs/benchmarks.md, "Decode attention under Nsight
+# Compute"): left alone ptxas gives it 177 registers, two programs an SM; at 168 (no spills) three fit
+EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True, 168)
 DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an H200
@@ -276,6 +281,7 @@ def decode_attention(
         EVEN=cfg.even and block_d == d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if split:
         _decode_merge_kernel[(bs, hq)](
