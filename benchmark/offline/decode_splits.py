@@ -11,10 +11,10 @@ and at three programs an SM the last wave is the long requests' alone. Here each
 the workload's contexts halfway (roofline.py's mid_run_contexts, slots scattered), ten launches captured
 in one CUDA graph so that the host's launch time is not in the figure, the merge kernel included.
 
-`--sweep regs` times the FP8 pool's unmasked tiles with the registers a thread capped (ptxas's .maxnreg,
-DecodeConfig.maxnreg): uncapped the 128-key tile takes 177 registers, two programs of four warps an SM;
-168 lets three fit, 128 four (with a few bytes of stack). Each configuration's output is compared with the
-engine's choice before it is timed.
+`--sweep regs` times tiles with the registers a thread capped (ptxas's .maxnreg, DecodeConfig.maxnreg),
+which set how many programs an SM holds: on an FP8 pool the 128-key tile takes 177 registers uncapped, two
+programs of four warps an SM, 168 lets three fit, 128 four (with a few bytes of stack). Each
+configuration's output is compared with the engine's choice before it is timed.
 """
 
 from __future__ import annotations
@@ -43,21 +43,22 @@ def graph_us(fn: Any) -> float:
     return graph_ms(lambda: [fn() for _ in range(LAUNCHES)]) * 1e3 / LAUNCHES
 
 
-# (keys a tile, warps, stages, registers a thread or 0): FP8 pools, unmasked full tiles
-REG_CONFIGS = [
-    (bn, 4, st, regs)
-    for bn, caps in ((128, (0, 168, 128)), (64, (0, 128, 96)))
-    for st in (3, 4)
-    for regs in caps
-]
+# (keys a tile, warps, stages, unmasked full tiles, registers a thread or 0) for each pool; the engine's
+# tiles first (FP8: 177 registers uncapped, two programs an SM; bf16's wide tiles: 135 and 73.7 KB of shared
+# memory, three). Compiled for sm_90: bf16 64-key tiles take 107 registers (four programs), 100 lets five fit
+REG_CONFIGS = {
+    True: [(128, 4, 4, True, r) for r in (0, 168, 128)] + [(128, 4, 3, True, 168), (64, 4, 3, True, 128), (64, 4, 4, True, 96)],
+    False: [(128, 4, 2, False, 0), (128, 4, 3, True, 0), (64, 4, 3, True, 0), (64, 4, 3, True, 100),
+            (64, 4, 4, True, 100), (32, 4, 4, True, 0), (64, 8, 3, True, 0)],
+}  # fmt: skip
 
 
-def sweep_regs(bs: int, call: Any, ref: torch.Tensor, kv_bytes: int) -> list[dict[str, Any]]:
+def sweep_regs(bs: int, fp8: bool, call: Any, ref: torch.Tensor, kv_bytes: int) -> list[dict[str, Any]]:
     rows = []
-    for bn, warps, stages, regs in REG_CONFIGS:
-        attn.DECODE_CONFIG = attn.DecodeConfig(bn, warps, stages, True, regs or None)
-        row: dict[str, Any] = {"bs": bs, "fp8": True, "block_n": bn, "warps": warps, "stages": stages,
-                               "maxnreg": regs}  # fmt: skip
+    for bn, warps, stages, even, regs in REG_CONFIGS[fp8]:
+        attn.DECODE_CONFIG = attn.DecodeConfig(bn, warps, stages, even, regs or None)
+        row: dict[str, Any] = {"bs": bs, "fp8": fp8, "block_n": bn, "warps": warps, "stages": stages,
+                               "even": even, "maxnreg": regs}  # fmt: skip
         try:
             row["rel_diff"] = (call().float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
             us = graph_us(call)
@@ -82,6 +83,9 @@ def main() -> None:
     clocks_up()
     results: list[dict[str, Any]] = []
     for bs in (int(b) for b in args.batches.split(",")):
+        if args.json:  # after every batch: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         lens, table, rows, seq = scattered_batch(bs)
         total = sum(lens)
         q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
@@ -92,18 +96,16 @@ def main() -> None:
             chosen = attn.decode_splits(bs, hk)
             ref = attn.decode_attention(q, k, v, table, rows, seq, 1, d**-0.5, *pool_scales).float()
             if args.sweep == "regs":
-                if not fp8:
-                    continue
                 call = partial(
                     attn.decode_attention, q, k, v, table, rows, seq, chosen, d**-0.5, *pool_scales
                 )
-                engine = {"bs": bs, "fp8": True, "config": "engine", "us": graph_us(call)}
-                found = sweep_regs(bs, call, ref, kv_bytes)
+                engine = {"bs": bs, "fp8": fp8, "config": "engine", "us": graph_us(call)}
+                found = sweep_regs(bs, fp8, call, ref, kv_bytes)
                 results += [engine, *found]
                 timed = sorted((r for r in found if "us" in r), key=lambda r: r["us"])
-                print(f"bs={bs} fp8 engine {engine['us']:.1f} us; fastest " + "; ".join(
-                    f"{r['block_n']},{r['stages']},{r['maxnreg']}: {r['us']:.1f} us ({r['tb_s']:.2f} TB/s, "
-                    f"rel {r['rel_diff']:.1e})" for r in timed[:6]), flush=True)  # fmt: skip
+                print(f"bs={bs} fp8={int(fp8)} engine {engine['us']:.1f} us; fastest " + "; ".join(
+                    f"{r['block_n']},{r['warps']},{r['stages']},{int(r['even'])},{r['maxnreg']}: {r['us']:.1f} us "
+                    f"({r['tb_s']:.2f} TB/s, rel {r['rel_diff']:.1e})" for r in timed[:4]), flush=True)  # fmt: skip
                 for r in found:
                     if r.get("rel_diff", 0) > 0.02 or "error" in r:
                         print("    BAD", r, flush=True)
@@ -123,6 +125,7 @@ def main() -> None:
             best = min((r for r in results if r["bs"] == bs and r["fp8"] == fp8), key=lambda r: r["us"])
             print(f"bs={bs} fp8={int(fp8)} us by splits {' '.join(line)}  best {best['splits']} "
                   f"({best['tb_s']:.2f} TB/s)", flush=True)  # fmt: skip
+
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
