@@ -111,6 +111,12 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
+        self.FUSED_DECODE_ROPE = EnvVar(
+            "MINISGL_FUSED_DECODE_ROPE",
+            False,
+            "in decode with the Triton attention backend, rotate q and k (and Qwen3's q/k norm) and store K/V "
+            "inside the decode attention kernel: one launch a layer fewer",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

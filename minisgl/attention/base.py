@@ -21,6 +21,23 @@ class KVDestination:
     v_scale: torch.Tensor
 
 
+@dataclass
+class DecodeRope:
+    """The rotary kernel's work for one decode step, done inside the decode kernel (kernel/attention.py)
+    instead of a launch of its own (ENV.FUSED_DECODE_ROPE): q comes unrotated, each program rotates its
+    heads of q, and the split that holds the new token rotates its K, writes K and V into the pool at
+    `loc` and attends to them from registers."""
+
+    k: torch.Tensor  # [B, Hk, D] this step's keys, unrotated (a view of the qkv projection is fine)
+    v: torch.Tensor  # [B, Hk, D]
+    positions: torch.Tensor  # [B]
+    cos_sin: torch.Tensor  # [positions, 2 D]: cos | sin, each D wide with its halves equal
+    loc: torch.Tensor  # [B] the pool slot of each new token
+    q_weight: torch.Tensor | None = None  # Qwen3's RMSNorm over each q and k head, before the rotation
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 class BaseAttnBackend(ABC):
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
@@ -38,6 +55,17 @@ class BaseAttnBackend(ABC):
     ) -> torch.Tensor:
         """Store this step's k/v at batch.out_loc (unless kv_stored: written already, at kv_destination),
         then attend. q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq, D]."""
+
+    def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
+        """Whether forward_decode_rope can take this step: q and k unrotated, K/V not yet stored."""
+        return False
+
+    def forward_decode_rope(
+        self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope
+    ) -> torch.Tensor:
+        """Decode attention that first does the rotary kernel's work (rotate q and rope.k, after the q/k
+        norm where rope has its weights; store K and V at rope.loc). q: [B, Hq, D] unrotated -> [B, Hq, D]."""
+        raise NotImplementedError(f"{type(self).__name__} does not rotate inside decode attention")
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
         """Where the rotary kernel may store this step's K/V instead of this backend; None: the backend

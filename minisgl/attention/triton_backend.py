@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, KVDestination
+from minisgl.attention.base import BaseAttnBackend, DecodeRope, KVDestination
 from minisgl.core import Batch
 from minisgl.env import ENV
 from minisgl.kernel.attention import decode_attention, decode_splits, extend_attention
@@ -76,6 +76,37 @@ class TritonAttnBackend(BaseAttnBackend):
             packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
         )
 
+    def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
+        d = self.kv_cache.head_dim
+        # the kernel's tiles are the head dim wide, and it rotates in q's dtype as the rotary kernel does
+        same_dtype = self.kv_cache.attention_dtype(q.dtype) == q.dtype
+        fused = ENV.FUSED_DECODE_ROPE.value and not ENV.SEPARATE_KV_STORE.value
+        return fused and batch.is_decode and d & (d - 1) == 0 and same_dtype
+
+    def forward_decode_rope(
+        self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope
+    ) -> torch.Tensor:
+        return self._decode(q, layer_id, batch, rope)
+
+    def _decode(
+        self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope | None = None
+    ) -> torch.Tensor:
+        meta: TritonAttnMetadata = batch.attn_metadata
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        return decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.page_table,
+            meta.rows,
+            meta.seq_lens,
+            meta.num_splits,
+            self.scale,
+            k_scale,
+            v_scale,
+            rope,
+        )
+
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
         if ENV.SEPARATE_KV_STORE.value:
             return None
@@ -99,19 +130,7 @@ class TritonAttnBackend(BaseAttnBackend):
         out_dtype = q.dtype
         q = q.to(self.kv_cache.attention_dtype(q.dtype))
         if batch.is_decode:
-            out = decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                self.page_table,
-                meta.rows,
-                meta.seq_lens,
-                meta.num_splits,
-                self.scale,
-                k_scale,
-                v_scale,
-            )
-            return out.to(out_dtype)
+            return self._decode(q, layer_id, batch).to(out_dtype)
         assert meta.q_starts is not None and meta.q_lens is not None
         out = extend_attention(
             q,

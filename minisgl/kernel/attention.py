@@ -12,13 +12,18 @@ outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
-from minisgl.kernel.store import check_fp8_pool
+from minisgl.kernel.store import check_fp8_pool, to_pool
+from minisgl.kvcache.mha_pool import FP8_MAX
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import DecodeRope
 
 _LOG2E = 1.4426950408889634
 
@@ -44,6 +49,8 @@ WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
 # Compute"): left alone ptxas gives it 177 registers, two programs an SM; at 168 (no spills) three fit
 EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True, 168)
 DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
+
+
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an H200
 
@@ -78,6 +85,27 @@ def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, MASKED: tl.constexpr, 
 
 
 @triton.jit
+def _rope_heads(X, W, eps, mask, d, cos, sin, D: tl.constexpr, NORM: tl.constexpr):
+    """Heads at X (pointers [R, D] of one token), RMS-normalised (NORM) and rotated, rounded where the
+    rotary kernel (rotary.py's _rotate) rounds: [R, D] in X's dtype. The rotate-half partner of dim d is
+    d +- D/2, loaded a second time rather than moved between registers."""
+    partner = (d + D // 2) % D
+    x = tl.load(X + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(X + partner[None, :], mask=mask, other=0.0)
+    if NORM:
+        f, fp = x.to(tl.float32), xp.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(f * f, 1) / D + eps)[:, None]
+        w = tl.load(W + d).to(tl.float32)[None, :]
+        wp = tl.load(W + partner).to(tl.float32)[None, :]
+        x = ((f * inv).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+        xp = ((fp * inv).to(xp.dtype).to(tl.float32) * wp).to(xp.dtype)
+    c = cos.to(x.dtype).to(tl.float32)[None, :]
+    s = sin.to(x.dtype).to(tl.float32)[None, :]
+    sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
+    return (x.to(tl.float32) * c + sign * (xp.to(tl.float32) * s)).to(x.dtype)
+
+
+@triton.jit
 def _decode_kernel(
     Q,
     K,
@@ -99,6 +127,19 @@ def _decode_kernel(
     stride_oh,
     num_splits,
     qk_scale,
+    KNew,
+    VNew,
+    Pos,
+    CosSin,
+    QW,
+    KW,
+    Loc,
+    eps,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cs,
     NUM_QO_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -110,6 +151,9 @@ def _decode_kernel(
     FP8: tl.constexpr,
     HALF: tl.constexpr,
     EVEN: tl.constexpr,
+    ROPE: tl.constexpr,
+    NORM: tl.constexpr,
+    FP8_LIMIT: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -126,8 +170,16 @@ def _decode_kernel(
     hmask = h < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if ROPE:  # BLOCK_D == D: q comes unrotated, and this program rotates its heads (every split alike)
+        pos = tl.load(Pos + b).to(tl.int64)
+        cos = tl.load(CosSin + pos * stride_cs + d)
+        sin = tl.load(CosSin + pos * stride_cs + D + d)
+        q = _rope_heads(
+            Q + b * stride_qt + heads[:, None] * stride_qh, QW, eps, hmask[:, None], d, cos, sin, D, NORM
+        )
+    else:
+        q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
     if HALF:
         # e4m3 widens to fp16 exactly, one instruction a pair (to bf16 it takes several): a bf16 query
         # joins it in fp16, whose range it fits once clamped and whose mantissa holds it whole
@@ -139,9 +191,13 @@ def _decode_kernel(
         # an FP8 pool holds K / k_scale and V / v_scale: the scales multiply the scores and the output,
         # so the tiles are only widened to q's dtype in registers and never scaled element by element
         qk_scale = qk_scale * tl.load(KScale)
+    # the keys read from the pool; with ROPE the new token (position seq_len - 1) is not there yet
+    pool_end = end
+    if ROPE:
+        pool_end = tl.minimum(end, seq_len - 1)
     tail = start
     if EVEN:  # BLOCK_D == D: every full tile without a mask, then at most one masked tile
-        tail = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        tail = start + tl.maximum(pool_end - start, 0) // BLOCK_N * BLOCK_N
         for n in range(start, tail, BLOCK_N):
             offs = n + tl.arange(0, BLOCK_N)
             slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
@@ -150,15 +206,38 @@ def _decode_kernel(
             k = tl.load(K + at)
             v = tl.load(V + at)
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
-    for n in range(tail, end, BLOCK_N):
+    for n in range(tail, pool_end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
-        nmask = offs < end
+        nmask = offs < pool_end
         slots = tl.load(PageTable + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
         k = tl.load(K + at, mask=kv_mask, other=0.0)
         v = tl.load(V + at, mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, True, PRECISION)
+    if ROPE:
+        if (start <= seq_len - 1) & (seq_len - 1 < end):  # the split that holds the new token
+            one = tl.full([1], 1, tl.int1)
+            k_new = _rope_heads(
+                KNew + b * stride_knt + kvh * stride_knh, KW, eps, one[:, None], d, cos, sin, D, NORM
+            )
+            v_new = tl.load(VNew + b * stride_vnt + kvh * stride_vnh + d)[None, :]
+            # stored as the rotary kernel stores them, and attended to as the pool will hand them out
+            k_pool = to_pool(k_new, KScale, K, FP8, FP8_LIMIT)
+            v_pool = to_pool(v_new, VScale, V, FP8, FP8_LIMIT)
+            dst = tl.load(Loc + b).to(tl.int64) * stride_kt + kvh * stride_kh + d[None, :]
+            tl.store(K + dst, k_pool)
+            tl.store(V + dst, v_pool)
+            kf = k_pool.to(q.dtype).to(tl.float32)
+            vf = v_pool.to(q.dtype).to(tl.float32)
+            score = tl.sum(q.to(tl.float32) * kf, 1) * qk_scale
+            m_new = tl.maximum(m_i, score)
+            p = tl.exp2(score - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p
+            # p rounded to V's dtype, as the tiles' P x V product takes it
+            acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * vf
+            m_i = m_new
 
     omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
@@ -225,12 +304,14 @@ def decode_attention(
     sm_scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D].
 
     An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
     tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
-    for a float32 one).
+    for a float32 one). With `rope`, q is unrotated and this step's K/V are not in the pool yet: the
+    kernel rotates q and K (after Qwen3's q/k norm) and stores K and V, as the rotary kernel would have.
     """
     fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     if k_cache.stride() != v_cache.stride():
@@ -241,6 +322,14 @@ def decode_attention(
     cfg = decode_config(bs, hk, q.dtype, fp8)
     out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
+    if rope is not None:
+        if block_d != d or q.stride(-1) != 1 or rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1:
+            raise ValueError(
+                "the rotary inside decode attention needs a power-of-2 head dim of contiguous rows"
+            )
+        if (rope.q_weight is None) != (rope.k_weight is None):
+            raise ValueError("the q/k norm inside decode attention needs both weights")
+    norm = rope is not None and rope.q_weight is not None
     split = num_splits > 1
     if split:
         mid_o = torch.empty((bs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -268,6 +357,20 @@ def decode_attention(
         out.stride(1),
         num_splits,
         sm_scale * _LOG2E,
+        # unused pointer arguments get a tensor that is there: a variant without ROPE never reads them
+        rope.k if rope else q,
+        rope.v if rope else q,
+        rope.positions if rope else seq_lens,
+        rope.cos_sin if rope else q,
+        rope.q_weight if norm else q,
+        rope.k_weight if norm else q,
+        rope.loc if rope else seq_lens,
+        rope.eps if rope else 0.0,
+        rope.k.stride(0) if rope else 0,
+        rope.k.stride(1) if rope else 0,
+        rope.v.stride(0) if rope else 0,
+        rope.v.stride(1) if rope else 0,
+        rope.cos_sin.stride(0) if rope else 0,
         NUM_QO_HEADS=hq,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -279,6 +382,9 @@ def decode_attention(
         FP8=fp8,
         HALF=fp8 and q.dtype != torch.float32,
         EVEN=cfg.even and block_d == d,
+        ROPE=rope is not None,
+        NORM=norm,
+        FP8_LIMIT=FP8_MAX,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

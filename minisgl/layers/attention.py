@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.attention.base import DecodeRope
 from minisgl.core import get_global_ctx
 from minisgl.distributed import get_tp_info
 from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
@@ -46,6 +47,21 @@ class AttentionLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend, batch = ctx.attn_backend, ctx.batch
+        if self.rotary.stores_kv(q) and backend.fuses_decode_rope(batch, q) and self._same_eps():
+            # the rotation, the q/k norm and the K/V store inside the decode kernel: the rotary kernel's launch goes
+            norms = self.q_norm is not None and self.k_norm is not None
+            rope = DecodeRope(
+                k,
+                v,
+                positions,
+                self.rotary.cos_sin,
+                batch.out_loc,
+                self.q_norm.weight if norms else None,
+                self.k_norm.weight if norms else None,
+                self.q_norm.eps if norms else 0.0,
+            )
+            out = backend.forward_decode_rope(q, self.layer_id, batch, rope)
+            return self.o_proj(out.reshape(-1, q_size))
         # where the backend allows it, the rotary kernel writes K/V into the pool: one launch fewer
         dest = backend.kv_destination(self.layer_id, batch) if self.rotary.stores_kv(q) else None
         if self.q_norm is not None and self.k_norm is not None:
@@ -54,3 +70,7 @@ class AttentionLayer(nn.Module):
             q, k = self.rotary(positions, q, k, v, dest)
         out = backend.forward(q, k, v, self.layer_id, batch, kv_stored=dest is not None)
         return self.o_proj(out.reshape(-1, q_size))
+
+    def _same_eps(self) -> bool:
+        """The kernels take one eps for the q and the k norm (always so in Qwen3's checkpoints)."""
+        return self.q_norm is None or self.k_norm is None or self.q_norm.eps == self.k_norm.eps
