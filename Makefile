@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	# structured output: xgrammar and its runtime; its other requirements are minisgl's own, and triton
 	# (which it lists for Linux) is only used on GPUs, where torch's CUDA build already brings it
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# Triton without a GPU: the tests run the CUDA path's kernels in its interpreter (TRITON_INTERPRET=1)
+	$(PY) -m pip install -q triton==3.9.0
 	touch $@
 
 install: $(VENV)/.installed
