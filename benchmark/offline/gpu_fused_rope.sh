@@ -3,7 +3,8 @@
 # minutes:
 #   - tests/test_decode_rope.py (bf16 pools too, on a GPU) and the CUDA engine tests with the switch on;
 #   - the roofline's decode steps at every captured batch size, off then on, bf16 and FP8 caches;
-#   - the upstream workload through bench.py (a fresh process's first run and a second), off then on.
+#   - the upstream workload through bench.py (a fresh process's first run and a second), off then on;
+#   - with `8b`, then the Llama-3-8B shape's workload (bf16 and FP8 caches), off then on (two minutes more).
 # Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
@@ -26,3 +27,13 @@ for kv in auto fp8_e4m3; do
             --device cuda --peer none --repeat 2 --kv-cache-dtype $kv 2>&1 | tail -2
     done
 done
+if [ "${1:-}" = 8b ]; then
+    timeout 120 python benchmark/offline/random_checkpoint.py llama3-8b /tmp/ckpt/llama3-8b 2>&1 | tail -1
+    for kv in auto fp8_e4m3; do
+        for fused in 0 1; do
+            echo "== 8b kv=$kv fused=$fused"
+            MINISGL_FUSED_DECODE_ROPE=$fused timeout 150 python benchmark/offline/bench.py --model /tmp/ckpt/llama3-8b \
+                --device cuda --peer none --kv-cache-dtype $kv 2>&1 | tail -1
+        done
+    done
+fi
