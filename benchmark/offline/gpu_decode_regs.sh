@@ -14,12 +14,7 @@ timeout 240 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_fp8_k
     2>&1 | tee "$OUT/engine_tests.log" | tail -2
 timeout 200 python benchmark/offline/decode_splits.py --sweep regs --batches 64,128,256 \
     --json "$OUT/decode_regs.json" 2>&1 | grep -v Warning | tail -12
-[ -d /tmp/ckpt/qwen3-0.6b ] || python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
 for run in "fp8_e4m3 -" "fp8_e4m3 128,4,4,1,0" "auto -"; do
-    set -- $run
-    tiles=()
-    [ "$2" != - ] && tiles=(--decode-tiles "$2")
-    echo "== kv=$1 tiles=$2"
-    timeout 100 python benchmark/offline/bench.py --model /tmp/ckpt/qwen3-0.6b --device cuda --peer none \
-        --repeat 2 --kv-cache-dtype "$1" "${tiles[@]}" 2>&1 | tail -2
+    # shellcheck disable=SC2086
+    bench_tiles $run
 done

@@ -70,12 +70,7 @@ for fp8 in (False, True):
 open(sys.argv[2], "w").write(f"{best[False]} {best[True]}\n")
 PY
 read -r bf16_best fp8_best < "$OUT/best_tiles.txt"
-[ -d /tmp/ckpt/qwen3-0.6b ] || python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
 for run in "auto -" "auto $bf16_best" "fp8_e4m3 -" "fp8_e4m3 $fp8_best"; do
-    set -- $run
-    tiles=()
-    [ "$2" != - ] && tiles=(--decode-tiles "$2")
-    echo "== kv=$1 tiles=$2"
-    timeout 100 python benchmark/offline/bench.py --model /tmp/ckpt/qwen3-0.6b --device cuda --peer none \
-        --repeat 2 --kv-cache-dtype "$1" "${tiles[@]}" 2>&1 | tail -2
+    # shellcheck disable=SC2086
+    bench_tiles $run
 done

@@ -77,11 +77,11 @@ class TritonAttnBackend(BaseAttnBackend):
         )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
-        d = self.kv_cache.head_dim
+        if not (ENV.FUSED_DECODE_ROPE.value and batch.is_decode) or ENV.SEPARATE_KV_STORE.value:
+            return False
         # the kernel's tiles are the head dim wide, and it rotates in q's dtype as the rotary kernel does
-        same_dtype = self.kv_cache.attention_dtype(q.dtype) == q.dtype
-        fused = ENV.FUSED_DECODE_ROPE.value and not ENV.SEPARATE_KV_STORE.value
-        return fused and batch.is_decode and d & (d - 1) == 0 and same_dtype
+        d = self.kv_cache.head_dim
+        return d & (d - 1) == 0 and self.kv_cache.attention_dtype(q.dtype) == q.dtype
 
     def forward_decode_rope(
         self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope

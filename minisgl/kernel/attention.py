@@ -49,8 +49,6 @@ WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
 # Compute"): left alone ptxas gives it 177 registers, two programs an SM; at 168 (no spills) three fit
 EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True, 168)
 DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
-
-
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an H200
 

@@ -47,7 +47,8 @@ class AttentionLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend, batch = ctx.attn_backend, ctx.batch
-        if self.rotary.stores_kv(q) and backend.fuses_decode_rope(batch, q) and self._same_eps():
+        in_kernel = self.rotary.stores_kv(q)  # the rotation runs in a Triton kernel, which can store K/V
+        if in_kernel and backend.fuses_decode_rope(batch, q) and self._same_eps():
             # the rotation, the q/k norm and the K/V store inside the decode kernel: the rotary kernel's launch goes
             norms = self.q_norm is not None and self.k_norm is not None
             rope = DecodeRope(
@@ -63,7 +64,7 @@ class AttentionLayer(nn.Module):
             out = backend.forward_decode_rope(q, self.layer_id, batch, rope)
             return self.o_proj(out.reshape(-1, q_size))
         # where the backend allows it, the rotary kernel writes K/V into the pool: one launch fewer
-        dest = backend.kv_destination(self.layer_id, batch) if self.rotary.stores_kv(q) else None
+        dest = backend.kv_destination(self.layer_id, batch) if in_kernel else None
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm, v, dest)
         else:
