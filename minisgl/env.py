@@ -111,11 +111,18 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
+        self.FUSED_GATE_UP = EnvVar(
+            "MINISGL_FUSED_GATE_UP",
+            False,
+            "on CUDA, the MLP's gate|up projection and silu(gate) * up in one Triton GEMM launch for the "
+            "batches kernel/gemm.py serves (with MINISGL_SKINNY_GEMM)",
+        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
-            False,
-            "in decode with the Triton attention backend, rotate q and k (and Qwen3's q/k norm) and store K/V "
-            "inside the decode attention kernel: one launch a layer fewer",
+            16,
+            "in decode batches of up to this many rows with the Triton attention backend, rotate q and k "
+            "(and Qwen3's q/k norm) and store K/V inside the decode attention kernel: one launch a layer "
+            "fewer (faster up to 16 rows on an H200, slower from 64; docs/benchmarks.md); 0: never",
         )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",

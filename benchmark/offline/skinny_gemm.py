@@ -55,6 +55,8 @@ def graph_ms(fn: Callable[[], None], replays: int = 20) -> float:
 
 def configs_around(m: int, n: int, k: int, sms: int) -> list[gemm.GemmConfig]:
     base = gemm.choose_config(m, n, k, sms)
+    if m > gemm.MAX_ROWS:
+        return configs_wide(m, base)
     out = {base}
     for bn in (32, 64, 128):
         for bk in (64, 128, 256):
@@ -64,6 +66,23 @@ def configs_around(m: int, n: int, k: int, sms: int) -> list[gemm.GemmConfig]:
     for stages, warps in ((3, 4), (5, 4), (4, 8)):
         out.add(gemm.GemmConfig(base.block_m, base.block_n, base.block_k, base.split, warps, stages))
     return sorted(out, key=lambda c: (c != base, c.block_n, c.block_k, c.split, c.num_stages))
+
+
+def configs_wide(m: int, base: gemm.GemmConfig) -> list[gemm.GemmConfig]:
+    """Tiles for 32-256 rows, where cuBLAS's tiles leave SMs idle on the narrow outputs: rows 64 or 128
+    (not past the padded batch), columns 64-128, K 64-128, 1-8 splits, 4 or 8 warps, 3 or 4 stages."""
+    out = {base}
+    for bm in (64, 128):
+        if bm > max(64, triton.next_power_of_2(m)):
+            continue
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for split in (1, 2, 4, 8):
+                    for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
+                        if bm * bn >= 128 * 128 and warps == 4:
+                            continue  # a 128 x 128 float32 accumulator over 4 warps spills
+                        out.add(gemm.GemmConfig(bm, bn, bk, split, warps, stages))
+    return sorted(out, key=lambda c: (c != base, c.block_m, c.block_n, c.block_k, c.split, c.num_warps))
 
 
 def step(
@@ -137,7 +156,7 @@ def main() -> None:
             if str(m) in args.sweep.split(","):
                 per_shape = {}
                 for i, (n, k) in enumerate(shapes):
-                    if not gemm.serves(m, n, k) and name != "qwen3-0.6b":
+                    if m <= gemm.MAX_ROWS and not gemm.serves(m, n, k) and name != "qwen3-0.6b":
                         continue
                     ws = [layer[i] for layer in weights]
                     timed = {"cublas": graph_ms(step(ws, xs, None, cublas=True)) / layers * 1e3}

@@ -77,11 +77,12 @@ class TritonAttnBackend(BaseAttnBackend):
         )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
-        if not (ENV.FUSED_DECODE_ROPE.value and batch.is_decode) or ENV.SEPARATE_KV_STORE.value:
+        if not (batch.is_decode and batch.size <= ENV.FUSED_DECODE_ROPE.value) or ENV.SEPARATE_KV_STORE.value:
             return False
-        # the kernel's tiles are the head dim wide, and it rotates in q's dtype as the rotary kernel does
+        # the kernel's tiles are the head dim wide (at least 16: tl.dot's least K), and it rotates in q's
+        # dtype as the rotary kernel does
         d = self.kv_cache.head_dim
-        return d & (d - 1) == 0 and self.kv_cache.attention_dtype(q.dtype) == q.dtype
+        return d >= 16 and d & (d - 1) == 0 and self.kv_cache.attention_dtype(q.dtype) == q.dtype
 
     def forward_decode_rope(
         self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope
