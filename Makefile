@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# test files spread over two processes (one file's tests stay in one, sharing its model fixtures): the
+# suite is ~14 minutes on two cores instead of ~20 in one
+PYTEST_WORKERS ?= 2
 
 .PHONY: install run generate test lint bench
 
@@ -32,7 +35,7 @@ generate: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -111,12 +111,6 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
-        self.FUSED_GATE_UP = EnvVar(
-            "MINISGL_FUSED_GATE_UP",
-            False,
-            "on CUDA, the MLP's gate|up projection and silu(gate) * up in one Triton GEMM launch for the "
-            "batches kernel/gemm.py serves (with MINISGL_SKINNY_GEMM)",
-        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
             16,

@@ -492,30 +492,6 @@ def test_skinny_gemm_matches_a_float32_product_and_leaves_its_counters_at_zero(
         assert not gemm._workspace(x.device)[1].any()
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 256), (7, 200, 384), (40, 64, 1000)])
-@pytest.mark.parametrize("split", [1, 3])
-def test_gated_gemm_is_the_gate_up_product_then_silu_and_mul_bit_for_bit(
-    m: int, n: int, k: int, split: int
-) -> None:
-    from minisgl.kernel import gemm
-    from minisgl.kernel.activation import silu_and_mul
-
-    dtypes = (torch.float16, torch.bfloat16) if CUDA else (torch.float16,)
-    gen = torch.Generator().manual_seed(m + n * k)
-    for dtype in dtypes:
-        x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-        w = (torch.randn(2 * n, k, generator=gen) * 0.1).to(DEVICE, dtype)
-        cfg = gemm.GemmConfig(16, 64, 128, split, 4, 2)
-        y = gemm.gated_matmul(x, w, cfg)
-        assert y.dtype == dtype and y.shape == (m, n)
-        # the same sums in the same order as the plain GEMM, then the activation's roundings
-        assert torch.equal(y, silu_and_mul(gemm.skinny_matmul(x, w, cfg)))
-        gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
-        assert rel_err(y.float().cpu(), (torch.nn.functional.silu(gate) * up).cpu()) < 1e-2
-        assert not gemm._workspace(x.device)[1].any()
-    assert gemm.gated_matmul(x[:0], w).shape == (0, n)
-
-
 def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
     from minisgl.kernel import gemm
 

@@ -41,13 +41,6 @@ def serves(m: int, n: int, k: int) -> bool:
     return m <= MAX_ROWS and n <= k
 
 
-def serves_gated(m: int, n: int, k: int) -> bool:
-    """Whether `gated_matmul` takes an [m, k] x [k, 2n] gate|up product with its activation: the few rows
-    `serves` takes (cuBLAS tiles the wide product itself as well, but then the activation is a launch
-    of its own)."""
-    return m <= MAX_ROWS
-
-
 def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """Tiles for an [m, k] x [k, n] product: M padded to tensor-core rows, narrow N tiles, K split until
     the programs fill every SM once, each split keeping at least two K blocks."""
@@ -58,17 +51,6 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks // 2, triton.cdiv(sms, tiles)))
     return GemmConfig(block_m, block_n, block_k, split)
-
-
-@triton.jit
-def _finish(acc, acc_up, dtype: tl.constexpr, GATED: tl.constexpr):
-    """The output tile: the sums in the output dtype, or with GATED silu(gate) * up rounded step by step
-    as `kernel/activation.py` rounds the gate|up projection's output, so the fused product has its bits."""
-    if GATED:
-        g = acc.to(dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype)
-        return (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    return acc.to(dtype)
 
 
 @triton.jit
@@ -88,7 +70,6 @@ def _gemm_kernel(
     split,
     split_stride,
     HAS_SPLIT: tl.constexpr,
-    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,52 +84,35 @@ def _gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_start + rk)[None, :]
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_start + rk)[None, :]
-    # GATED: W holds gate|up, N rows each; a program takes the same columns of both
-    up_offset = N.to(tl.int64) * stride_wn
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + rk)[None, :] < k_end
         x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
         w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w))
-        if GATED:
-            w_up = tl.load(w_ptrs + up_offset, mask=n_ok & k_ok, other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_mask = (rm[:, None] < M) & (rn[None, :] < N)
     y_ptrs = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     if not HAS_SPLIT:
-        tl.store(y_ptrs, _finish(acc, acc_up, Y.dtype.element_ty, GATED), mask=out_mask)
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
-        # a split's partials [M, N] (GATED: the up partials after every split's gate partials); the
-        # workspace is under 2^31 floats
+        # a split's partials [M, N]; the workspace is under 2^31 floats
         offs = rm[:, None] * N + rn[None, :]
         tl.store(Part + pid_k * split_stride + offs, acc, mask=out_mask)
-        if GATED:
-            tl.store(Part + (split + pid_k) * split_stride + offs, acc_up, mask=out_mask)
         # every thread's partial is written before the ticket is taken (the atomic releases them)
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
         ticket = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == split - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(split):
                 total += tl.load(
                     Part + s * split_stride + offs, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
-                if GATED:
-                    total_up += tl.load(
-                        Part + (split + s) * split_stride + offs,
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            tl.store(y_ptrs, _finish(total, total_up, Y.dtype.element_ty, GATED), mask=out_mask)
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -172,17 +136,8 @@ def _sm_count(device: torch.device) -> int:
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype."""
-    return _matmul(x, w, w.shape[0], config, gated=False)
-
-
-def gated_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for w [2I, K] holding gate|up: the gate|up projection and the MLP's
-    activation in one launch, bit for bit `silu_and_mul(skinny_matmul(x, w))` (kernel/activation.py)."""
-    return _matmul(x, w, w.shape[0] // 2, config, gated=True)
-
-
-def _matmul(x: torch.Tensor, w: torch.Tensor, n: int, config: GemmConfig | None, gated: bool) -> torch.Tensor:
     m, k = x.shape
+    n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -194,12 +149,11 @@ def _matmul(x: torch.Tensor, w: torch.Tensor, n: int, config: GemmConfig | None,
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     part, counters = _workspace(x.device)
-    partials = split * m * n * (2 if gated else 1)
-    if split > 1 and (partials > part.numel() or grid_n * grid_m > counters.numel()):
+    if split > 1 and (split * m * n > part.numel() or grid_n * grid_m > counters.numel()):
         split, k_per_split = 1, k
     _gemm_kernel[(grid_n, grid_m, split)](
         x, w, y, part, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        split, m * n, HAS_SPLIT=split > 1, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        split, m * n, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

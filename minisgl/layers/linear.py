@@ -50,24 +50,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, layer: QuantizableLinear) -> torch.Tensor | None:
-    """silu(gate) * up of a gate|up layer in one launch (`gemm.gated_matmul`) where the Triton GEMM serves
-    the batch (CUDA, float weights, no bias, `gemm.serves_gated`; MINISGL_FUSED_GATE_UP); None elsewhere,
-    and the caller runs the projection and the activation apart."""
-    weight = layer.weight
-    if not (x.is_cuda and x.dim() == 2 and ENV.FUSED_GATE_UP.value and ENV.SKINNY_GEMM.value):
-        return None
-    if weight is None or layer.qweight is not None or getattr(layer, "bias", None) is not None:
-        return None
-    from minisgl.kernel import gemm
-
-    if weight.dtype not in _SKINNY_DTYPES or x.dtype != weight.dtype or weight.stride(1) != 1:
-        return None
-    if not gemm.serves_gated(x.shape[0], weight.shape[0] // 2, weight.shape[1]):
-        return None
-    return gemm.gated_matmul(x, weight)
-
-
 def onednn_packing_supported() -> bool:
     """Whether this torch and CPU can hold bf16 weights in oneDNN's blocked layout (`pack_onednn`)."""
     mkldnn = torch.ops.mkldnn

@@ -12,7 +12,7 @@ from minisgl.kernel import use_triton
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel, gated_linear
+from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
@@ -29,10 +29,7 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearRowParallel(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = gated_linear(x, self.gate_up_proj)
-        if h is None:
-            h = silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
