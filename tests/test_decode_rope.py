@@ -7,27 +7,19 @@ layer code there with MINISGL_KERNELS=triton. Skipped where triton is not instal
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from interpreter import CUDA, DEVICE
+from tiny import random_prompts
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
-pytest.importorskip("triton")
+from minisgl.attention.base import DecodeRope, KVDestination
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.kernel import attention
+from minisgl.kernel.rotary import apply_rotary
+from minisgl.kvcache.mha_pool import FP8_DTYPE
+from minisgl.layers.rotary import RotaryEmbedding
 
-from tiny import random_prompts  # noqa: E402
-
-from minisgl.attention.base import DecodeRope, KVDestination  # noqa: E402
-from minisgl.core import SamplingParams  # noqa: E402
-from minisgl.env import ENV  # noqa: E402
-from minisgl.kernel import attention  # noqa: E402
-from minisgl.kernel.rotary import apply_rotary  # noqa: E402
-from minisgl.kvcache.mha_pool import FP8_DTYPE  # noqa: E402
-from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
-
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 HQ, HK, D = 4, 2, 16
 LENS = [1, 7, 70, 33]  # context lengths after this step: the last position of each is its new token
 

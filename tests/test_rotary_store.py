@@ -6,31 +6,23 @@ layer code there with MINISGL_KERNELS=triton. Skipped where triton is not instal
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from interpreter import DEVICE
+from tiny import random_prompts
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
-pytest.importorskip("triton")
+from minisgl.attention.base import KVDestination
+from minisgl.attention.triton_backend import TritonAttnBackend
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.kernel import use_triton
+from minisgl.kernel.rotary import apply_rotary
+from minisgl.kernel.store import store_kv
+from minisgl.kvcache.mha_pool import FP8_DTYPE
+from minisgl.layers.moe import MoeExperts
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.moe.triton_backend import TritonMoeBackend
 
-from tiny import random_prompts  # noqa: E402
-
-from minisgl.attention.base import KVDestination  # noqa: E402
-from minisgl.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from minisgl.core import SamplingParams  # noqa: E402
-from minisgl.env import ENV  # noqa: E402
-from minisgl.kernel import use_triton  # noqa: E402
-from minisgl.kernel.rotary import apply_rotary  # noqa: E402
-from minisgl.kernel.store import store_kv  # noqa: E402
-from minisgl.kvcache.mha_pool import FP8_DTYPE  # noqa: E402
-from minisgl.layers.moe import MoeExperts  # noqa: E402
-from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
-from minisgl.moe.triton_backend import TritonMoeBackend  # noqa: E402
-
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 HQ, HK, D = 4, 2, 16
 
 

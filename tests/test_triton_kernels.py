@@ -11,31 +11,25 @@ import sys
 
 import pytest
 import torch
+from interpreter import CUDA, DEVICE
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
-pytest.importorskip("triton")
-
-from minisgl.core import Batch, Req, SamplingParams  # noqa: E402
-from minisgl.engine.sample import Sampler, filter_logits, hash_uniform  # noqa: E402
-from minisgl.kernel import attention  # noqa: E402
-from minisgl.kernel import sampling as triton_sampling  # noqa: E402
-from minisgl.kernel.activation import silu_and_mul  # noqa: E402
-from minisgl.kernel.attention import decode_attention, extend_attention  # noqa: E402
-from minisgl.kernel.moe import align_block_size, fused_moe  # noqa: E402
-from minisgl.kernel.norm import rms_norm, rms_norm_residual  # noqa: E402
-from minisgl.kernel.rotary import apply_rotary  # noqa: E402
-from minisgl.kernel.sampling import filter_thresholds, sample_tokens  # noqa: E402
-from minisgl.kernel.store import store_kv  # noqa: E402
-from minisgl.kvcache.mha_pool import quantize_fp8  # noqa: E402
-from minisgl.layers import activation as torch_activation  # noqa: E402
-from minisgl.layers import norm as torch_norm  # noqa: E402
-from minisgl.layers.rotary import RotaryEmbedding  # noqa: E402
-from minisgl.moe import select_experts  # noqa: E402
-from minisgl.moe.torch_backend import TorchMoeBackend  # noqa: E402
-
-DEVICE = torch.device("cuda" if CUDA else "cpu")
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.sample import Sampler, filter_logits, hash_uniform
+from minisgl.kernel import attention
+from minisgl.kernel import sampling as triton_sampling
+from minisgl.kernel.activation import silu_and_mul
+from minisgl.kernel.attention import decode_attention, extend_attention
+from minisgl.kernel.moe import align_block_size, fused_moe
+from minisgl.kernel.norm import rms_norm, rms_norm_residual
+from minisgl.kernel.rotary import apply_rotary
+from minisgl.kernel.sampling import filter_thresholds, sample_tokens
+from minisgl.kernel.store import store_kv
+from minisgl.kvcache.mha_pool import quantize_fp8
+from minisgl.layers import activation as torch_activation
+from minisgl.layers import norm as torch_norm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.moe import select_experts
+from minisgl.moe.torch_backend import TorchMoeBackend
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
