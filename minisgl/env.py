@@ -118,6 +118,12 @@ class _Env:
             "(and Qwen3's q/k norm) and store K/V inside the decode attention kernel: one launch a layer "
             "fewer (faster up to 16 rows on an H200, slower from 64; docs/benchmarks.md); 0: never",
         )
+        self.DIRECT_LAUNCH = EnvVar(
+            "MINISGL_DIRECT_LAUNCH",
+            True,
+            "launch the compiled Triton kernels through minisgl's launcher (kernel/launch.py: Triton's own "
+            "specialisation, less host time a launch); 0: Triton's JIT call",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

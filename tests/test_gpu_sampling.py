@@ -118,11 +118,13 @@ def compiled_variants() -> int:
     from triton.runtime.jit import JITFunction
 
     import minisgl.kernel
+    from minisgl.kernel.launch import Launcher
 
     total = 0
     for info in pkgutil.iter_modules(minisgl.kernel.__path__):
         module = importlib.import_module(f"minisgl.kernel.{info.name}")
         for fn in vars(module).values():
+            fn = fn.fn if isinstance(fn, Launcher) else fn  # the kernels launched through a Launcher
             if isinstance(fn, JITFunction):
                 # triton keeps (kernel cache, ...) per device; the first item maps keys to kernels
                 total += sum(len(c[0] if isinstance(c, tuple) else c) for c in fn.device_caches.values())

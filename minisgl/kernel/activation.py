@@ -6,7 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
 
+
+@direct_launch
 @triton.jit
 def _silu_and_mul_kernel(X, Y, n, stride_x, stride_y, BLOCK: tl.constexpr):
     t = tl.program_id(0)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
+from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
 
@@ -103,6 +104,7 @@ def _rope_heads(X, W, eps, mask, d, cos, sin, D: tl.constexpr, NORM: tl.constexp
     return (x.to(tl.float32) * c + sign * (xp.to(tl.float32) * s)).to(x.dtype)
 
 
+@direct_launch
 @triton.jit
 def _decode_kernel(
     Q,
@@ -258,6 +260,7 @@ def _decode_kernel(
         )
 
 
+@direct_launch
 @triton.jit
 def _decode_merge_kernel(
     MidO,
@@ -404,6 +407,7 @@ def decode_attention(
     return out
 
 
+@direct_launch
 @triton.jit
 def _extend_kernel(
     Q,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
+
 # the largest batch served here: above it cuBLAS measured faster on every shape (docs/benchmarks.md)
 MAX_ROWS = 16
 _WORKSPACE_FLOATS = 8 << 20  # 32 MiB of float32 partial sums a device
@@ -53,6 +55,7 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     return GemmConfig(block_m, block_n, block_k, split)
 
 
+@direct_launch
 @triton.jit
 def _gemm_kernel(
     X,

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from minisgl.kernel import dot_precision
 from minisgl.kernel.activation import silu_and_mul
+from minisgl.kernel.launch import direct_launch
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ def align_block_size(
 
 
 # the pair count changes with every batch: unspecialised, one compiled kernel serves them all
+@direct_launch
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     A,

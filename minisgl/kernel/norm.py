@@ -6,7 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
 
+
+@direct_launch
 @triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for every token count
 def _rms_norm_kernel(
     X,

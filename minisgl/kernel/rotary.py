@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
 
@@ -61,6 +62,7 @@ def _rotate(
     return y1, y2
 
 
+@direct_launch
 @triton.jit
 def _rope_kernel(
     Q,

@@ -19,7 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
 
+
+@direct_launch
 @triton.jit
 def _sample_chunk_kernel(
     Logits,
@@ -73,6 +76,7 @@ def _sample_chunk_kernel(
     tl.store(BestI + r * NUM_CHUNKS + c, tl.min(tl.where(best_v == top, best_i, V), 0))
 
 
+@direct_launch
 @triton.jit
 def _sample_merge_kernel(BestV, BestI, Out, V, NUM_CHUNKS: tl.constexpr):
     r = tl.program_id(0)
@@ -234,6 +238,7 @@ def _decide(Counts, Masses, Kept, r, cuts, k, p, V, C: tl.constexpr, WINDOW: tl.
     return first, (first < 16) & (total <= WINDOW), cut, kept_mass, total
 
 
+@direct_launch
 @triton.jit
 def _bounds_kernel(Logits, stride_l, Temps, Bounds, V, chunk, C: tl.constexpr, BLOCK: tl.constexpr):
     # program (row, chunk): the chunk's largest x and smallest finite x (x = logit / T)
@@ -252,6 +257,7 @@ def _bounds_kernel(Logits, stride_l, Temps, Bounds, V, chunk, C: tl.constexpr, B
     tl.store(Bounds + (r * C + c) * 2 + 1, least)
 
 
+@direct_launch
 @triton.jit
 def _hist_kernel(
     Logits, stride_l, Temps, TopK, TopP, MinP, Bounds, Counts, Masses, Kept, V, chunk,
@@ -286,6 +292,7 @@ def _hist_kernel(
     tl.store(Kept + r * C + c, tl.sum(kept, 0))
 
 
+@direct_launch
 @triton.jit
 def _gather_kernel(
     Logits, stride_l, Temps, TopK, TopP, Bounds, Counts, Masses, Kept, Windows, V, chunk,
@@ -316,6 +323,7 @@ def _gather_kernel(
                 count += tl.sum(take, 0)
 
 
+@direct_launch
 @triton.jit
 def _threshold_kernel(
     Logits, stride_l, Temps, TopK, TopP, MinP, Thresh, Bounds, Counts, Masses, Kept, Windows, V,

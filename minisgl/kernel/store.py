@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.launch import direct_launch
 from minisgl.kvcache.mha_pool import FP8_DTYPE, FP8_MAX
 
 
@@ -50,6 +51,7 @@ def check_fp8_pool(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale:
     return fp8
 
 
+@direct_launch
 @triton.jit
 def _store_kv_kernel(
     K,
