@@ -120,9 +120,9 @@ class _Env:
         )
         self.DIRECT_LAUNCH = EnvVar(
             "MINISGL_DIRECT_LAUNCH",
-            True,
-            "launch the compiled Triton kernels through minisgl's launcher (kernel/launch.py: Triton's own "
-            "specialisation, less host time a launch); 0: Triton's JIT call",
+            False,
+            "1: launch the compiled Triton kernels through minisgl's launcher (kernel/launch.py: Triton's own "
+            "specialisation, less host time a launch; opt-in until its GPU tests have passed); 0: Triton's call",
         )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",

@@ -7,8 +7,12 @@ JIT call; a launch inside CUDA graph capture goes to the capturing stream.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("MINISGL_DIRECT_LAUNCH", "1")  # before minisgl's kernels are imported
 
 pytestmark = [
     pytest.mark.gpu,
