@@ -7,12 +7,8 @@ JIT call; a launch inside CUDA graph capture goes to the capturing stream.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("MINISGL_DIRECT_LAUNCH", "1")  # before minisgl's kernels are imported
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,10 +32,18 @@ def _launch(kernel, args, rows: int) -> None:
     kernel[(rows,)](*args, N=1000, BLOCK_N=1024, ROWS=1, HAS_RES=False, num_warps=4)
 
 
+def _direct():
+    """The RMSNorm kernel behind a launcher of its own that takes the direct path whatever
+    MINISGL_DIRECT_LAUNCH says (the engine's launchers were made when minisgl was imported)."""
+    from minisgl.kernel.launch import Launcher
+    from minisgl.kernel.norm import _rms_norm_kernel
+
+    return Launcher(_rms_norm_kernel.fn, direct=True)
+
+
 @pytest.mark.parametrize("rows,offset", [(16, 0), (16, 3), (1, 0), (17, 1)])
 def test_launcher_writes_what_triton_writes(rows: int, offset: int) -> None:
-    from minisgl.kernel.norm import _rms_norm_kernel as launcher
-
+    launcher = _direct()
     args, _, y = _norm_args(rows, offset)
     _launch(launcher.fn, args, rows)
     want = y.clone()
@@ -51,10 +55,7 @@ def test_launcher_writes_what_triton_writes(rows: int, offset: int) -> None:
 
 
 def test_specialisation_gives_separate_kernels() -> None:
-    from minisgl.kernel.launch import Launcher
-    from minisgl.kernel.norm import _rms_norm_kernel
-
-    launcher = Launcher(_rms_norm_kernel.fn)
+    launcher = _direct()
     for rows, offset in ((16, 0), (32, 0), (16, 3), (16, 0)):
         _launch(launcher, _norm_args(rows, offset)[0], rows)
     torch.cuda.synchronize()
@@ -63,8 +64,7 @@ def test_specialisation_gives_separate_kernels() -> None:
 
 
 def test_launcher_inside_graph_capture() -> None:
-    from minisgl.kernel.norm import _rms_norm_kernel as launcher
-
+    launcher = _direct()
     args, x, y = _norm_args(16, 0)
     _launch(launcher, args, 16)
     _launch(launcher, args, 16)
@@ -84,3 +84,22 @@ def test_launcher_inside_graph_capture() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, got)
+
+
+def test_launch_hook_takes_tritons_path() -> None:
+    """With a profiler's launch hook installed every launch goes through Triton, which calls the hook."""
+    from triton import knobs
+
+    launcher = _direct()
+    args, _, _ = _norm_args(16, 0)
+    _launch(launcher, args, 16)  # compiled and keyed
+    seen: list[object] = []
+    chain = knobs.runtime.launch_enter_hook  # a HookChain in Triton 3.6 and later
+    chain.add(seen.append)
+    try:
+        _launch(launcher, args, 16)
+        _launch(launcher, args, 16)
+    finally:
+        chain.remove(seen.append)
+    torch.cuda.synchronize()
+    assert len(seen) == 2

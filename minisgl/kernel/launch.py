@@ -5,8 +5,8 @@ after binding and specialising the arguments it builds a string cache key from t
 checks the globals the kernel was compiled with, canonicalises the grid and asks for the device and its
 stream, before the launcher's C call. An eager prefill step makes about 140 such launches. Here the
 arguments go through the kernel's own binder (so the specialisation, and with it the compiled kernel
-chosen, is Triton's), the key is a tuple of what the binder returned, and a hit calls the compiled
-kernel's launcher directly. A key's first launch goes through Triton, which compiles or loads the kernel
+chosen, is Triton's), the key is a tuple of what the binder returned (Triton builds a string), and a
+hit calls the compiled kernel's launcher directly. A key's first launch goes through Triton, which compiles or loads the kernel
 and returns it. Under Triton's interpreter, or with launch hooks installed (profilers), every launch
 takes Triton's own path, as every launch does with MINISGL_DIRECT_LAUNCH=0.
 """
@@ -18,55 +18,59 @@ from typing import Any
 import torch
 import triton
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # a Triton without knobs has no launch hooks to respect either
+    _knobs = None
 
-def _direct_possible(fn: Any) -> bool:
-    from triton import knobs
 
+def _hooked() -> bool:
+    """A profiler's launch hook is installed: launches take Triton's path, which calls it."""
+    if _knobs is None:
+        return False
+    hook = _knobs.runtime.launch_enter_hook
     # Triton keeps its launch hooks in a chain (HookChain) that is there even when empty
-    hook = knobs.runtime.launch_enter_hook
-    return isinstance(fn, triton.runtime.JITFunction) and not getattr(hook, "calls", hook)
+    return bool(getattr(hook, "calls", hook))
 
 
-def _hashable(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return tuple(_hashable(v) for v in x)
-    try:
-        hash(x)
-    except TypeError:  # a value Triton keys by its text
-        return repr(x)
-    return x
-
-
-def _key(device: int, specialization: Any, options: dict[str, Any]) -> tuple[Any, ...]:
-    return (device, _hashable(specialization), _hashable(tuple(options.items())))
+def _key(device: int, specialization: list[Any], options: dict[str, Any]) -> tuple[Any, ...]:
+    # the binder's specialisation is a list of (type, value) tuples and its options plain numbers and
+    # flags, so a tuple of them hashes as it is: a recursive walk cost 19 us a launch on a 2 GHz core
+    return (device, tuple(specialization), tuple(options.items()))
 
 
 class Launcher:
     """A @triton.jit kernel launched as `launcher[grid](*args, **kwargs)`, as Triton's own is."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, direct: bool | None = None) -> None:
         from minisgl.env import ENV
 
         self.fn = fn
         self.kernels: dict[tuple[Any, ...], Any] = {}
-        self.direct = bool(ENV.DIRECT_LAUNCH.value)
+        # under the interpreter a kernel is not a JITFunction and has no compiled launcher to call
+        jit = isinstance(fn, triton.runtime.JITFunction)
+        self.direct = jit and (bool(ENV.DIRECT_LAUNCH.value) if direct is None else direct)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fn = self.fn
-        if not (self.direct and _direct_possible(fn)):
+        if not self.direct or _hooked():
             fn[grid](*args, **kwargs)
             return
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()
         caches = fn.device_caches.get(device)
         if caches is None:  # this device's first launch: Triton builds its binder
             self._first(grid, args, kwargs, device)
             return
         bound, specialization, options = caches[4](*args, **kwargs)
         key = _key(device, specialization, options)
-        kernel = self.kernels.get(key)
+        try:
+            kernel = self.kernels.get(key)
+        except TypeError:  # a constexpr that does not hash: Triton's own path keys it by its text
+            fn[grid](*args, **kwargs)
+            return
         if kernel is None:
             self._first(grid, args, kwargs, device, key)
             return
@@ -100,7 +104,10 @@ class Launcher:
         if key is None:
             _, specialization, options = self.fn.device_caches[device][4](*args, **kwargs)
             key = _key(device, specialization, options)
-        self.kernels[key] = kernel
+        try:
+            self.kernels[key] = kernel
+        except TypeError:  # not hashable: this kernel's launches keep taking Triton's path
+            pass
 
 
 def direct_launch(fn: Any) -> Launcher:
