@@ -109,6 +109,8 @@ class Batch:
     attn_metadata: Any = field(init=False, default=None)
     # reqs plus dummy rows that pad a CUDA-graph batch
     padded_reqs: list[Req] = field(init=False)
+    # a prefill that replays a CUDA graph: its tokens padded to this many (0: not padded)
+    padded_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.padded_reqs = self.reqs

@@ -1,10 +1,12 @@
 """One request at a time on a GPU: the time to its first token by prompt length, and its decode rate.
 
-    python benchmark/offline/prefill_latency.py --model ckpt/qwen3-0.6b [--lens 16,128,1024] [--json out.json]
+    python benchmark/offline/prefill_latency.py --model ckpt/qwen3-0.6b [--lens 16,128,1024]
+        [--cuda-graph-max-prefill N] [--json out.json]
 
 Each prompt is new (no prefix shared) and asks for one token; the median of 10 is printed a length. A
-prefill step runs eagerly (no CUDA graph), so at short prompts its time is the host's launches (about 260
-a step on Qwen3-0.6B) more than the GPU's work. Then one request decodes 128 tokens (CUDA graphs; the
+prefill step of up to --cuda-graph-max-prefill tokens replays a CUDA graph (the engine's default: 512;
+0: none); a longer one runs eagerly, and at short prompts its time is then the host's launches (about 260
+a step on Qwen3-0.6B) more than the GPU's work. The engine's start-up time is printed too. Then one request decodes 128 tokens (CUDA graphs; the
 sampling kernels run outside the graph): milliseconds a token.
 """
 
@@ -24,14 +26,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--lens", default="16,128,1024")
+    p.add_argument("--cuda-graph-max-prefill", type=int, help="the engine's default when left out")
     p.add_argument("--json")
     args = p.parse_args()
     from minisgl import LLM, SamplingParams
     from minisgl.env import ENV
 
-    llm = LLM(args.model, device="cuda", max_running_req=8)
+    start = time.perf_counter()
+    llm = LLM(
+        args.model, device="cuda", max_running_req=8, cuda_graph_max_prefill=args.cuda_graph_max_prefill
+    )
+    startup = time.perf_counter() - start
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    result: dict[str, object] = {"direct_launch": bool(ENV.DIRECT_LAUNCH.value)}
+    result: dict[str, object] = {
+        "direct_launch": bool(ENV.DIRECT_LAUNCH.value),
+        "prefill_graph_tokens": sorted(llm.engine.prefill_graphs.graphs),
+        "startup_s": round(startup, 2),
+    }
+    print(f"engine start-up {startup:.1f} s; prefill graphs {result['prefill_graph_tokens']}", flush=True)
     seed = 0
     for n in (int(x) for x in args.lens.split(",")):
         times = []

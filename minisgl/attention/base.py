@@ -81,3 +81,13 @@ class BaseAttnBackend(ABC):
 
     def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    # prefill graphs (engine/prefill_graph.py): static metadata for `max_reqs` requests
+    def init_prefill_capture(self, max_reqs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
+    def prepare_for_prefill_capture(self, batch: Batch, tokens: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
+    def prepare_for_prefill_replay(self, batch: Batch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")

@@ -46,6 +46,7 @@ class TritonAttnBackend(BaseAttnBackend):
             for i in range(kv_cache.num_layers)
         ]
         self.graph_meta: torch.Tensor | None = None  # [2, max_bs] static decode metadata of the graphs
+        self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -175,3 +176,22 @@ class TritonAttnBackend(BaseAttnBackend):
         assert self.graph_meta is not None, "init_capture_graph comes first"
         meta: TritonAttnMetadata = batch.attn_metadata
         self.graph_meta[:, : batch.padded_size].copy_(meta.packed)
+
+    # ---- prefill graphs: rows, context lengths, query starts and counts of max_reqs requests -------
+    def init_prefill_capture(self, max_reqs: int) -> None:
+        self.prefill_meta = torch.zeros((4, max_reqs), dtype=torch.int32, device=self.device)
+
+    def prepare_for_prefill_capture(self, batch: Batch, tokens: int) -> None:
+        meta = self.prefill_meta
+        assert meta is not None, "init_prefill_capture comes first"
+        # no queries while capturing: the extend kernel's programs return at once; the grid is fixed by
+        # `tokens`, the most queries one request of a replay may have
+        meta[0] = batch.padded_reqs[0].table_idx
+        meta[1] = 1
+        meta[2:] = 0
+        batch.attn_metadata = TritonAttnMetadata(meta, meta[0], meta[1], meta[2], meta[3], max_q_len=tokens)
+
+    def prepare_for_prefill_replay(self, batch: Batch) -> None:
+        assert self.prefill_meta is not None, "init_prefill_capture comes first"
+        meta: TritonAttnMetadata = batch.attn_metadata
+        self.prefill_meta.copy_(meta.packed)

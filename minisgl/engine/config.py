@@ -29,6 +29,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # None: a default that suits the device; 0 turns graphs off
     cuda_graph_bs: list[int] | None = None
+    # prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs (engine/prefill_graph.py);
+    # None: 512 on CUDA; 0 turns them off
+    cuda_graph_max_prefill: int | None = None
     distributed_addr: str = "tcp://127.0.0.1:29517"  # torch.distributed's rendezvous, for tp_info.size > 1
     nnodes: int = 1  # machines the ranks are spread over, evenly
 
@@ -44,5 +47,9 @@ class EngineConfig:
             raise ValueError(f"max_running_req={self.max_running_req} is invalid: it must be >= 1")
         if self.num_page_override is not None and self.num_page_override < 1:
             raise ValueError(f"num_page_override={self.num_page_override} is invalid: it must be >= 1")
+        if self.cuda_graph_max_prefill is not None and self.cuda_graph_max_prefill < 0:
+            raise ValueError(
+                f"cuda_graph_max_prefill={self.cuda_graph_max_prefill} is invalid: it must be >= 0 (0: off)"
+            )
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override={self.max_seq_len_override} is invalid: it must be >= 2")

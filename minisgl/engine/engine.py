@@ -16,6 +16,7 @@ from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.prefill_graph import PrefillGraphRunner
 from minisgl.engine.prepare import (
     ForwardInput,
     make_input_tuple,
@@ -143,6 +144,14 @@ class Engine:
             self.max_seq_len,
             mc.vocab_size,
         )
+        max_prefill = config.cuda_graph_max_prefill
+        self.prefill_graphs = PrefillGraphRunner(
+            self.device,
+            (512 if max_prefill is None else max_prefill) if use_graphs else 0,
+            self.attn_backend,
+            self.model.forward,
+            config.max_running_req,
+        )
         self.compiled_decode = CompiledDecode(
             self.model.forward, self.device, self.attn_backend, self.tp_info.size
         )
@@ -152,6 +161,7 @@ class Engine:
         logger.info_rank0(f"warm-up ran the first steps in {time.perf_counter() - start:.1f} s")
         # captured last: the model, the pool and the backend exist, and the warm-up compiles the kernels
         self.graph_runner.capture(self.stream)
+        self.prefill_graphs.capture(self.stream, self.graph_runner.pool)
         logger.info_rank0(
             f"engine ready: {mc.architecture} on {self.device}, {config.dtype}, "
             f"{self.num_pages} KV pages of {self.page_size} ({self.kv_dtype}), max_seq_len {self.max_seq_len}"
@@ -307,8 +317,9 @@ class Engine:
         of constrained rows come apart (`set_token_mask`): they need the tokens sampled just before.
         """
         self.graph_runner.pad_batch(batch)
+        self.prefill_graphs.pad_batch(batch)
         batch.positions = make_positions(batch, self.device)
-        input_mapping = make_input_tuple(batch, self.device)
+        input_mapping = make_input_tuple(batch, self.device, self.prefill_graphs.dummy_table_idx)
         write_mapping = make_write_tuple(batch, self.device)
         batch.out_loc = self.page_table[input_mapping].to(torch.int64)
         prompt_args = None
@@ -387,6 +398,8 @@ class Engine:
             if self.graph_runner.can_use(batch):
                 # the graph's output buffer: the next replay overwrites it, after this step's sampling in stream order
                 return self.graph_runner.replay(batch)
+            if self.prefill_graphs.can_use(batch):
+                return self.prefill_graphs.replay(batch)
             if self.compiled_decode.can_use(batch):
                 return self.compiled_decode.run()
             return self.model.forward()
@@ -425,6 +438,8 @@ class Engine:
         # destroying the process group under them never returns
         if hasattr(self, "graph_runner"):
             self.graph_runner.destroy()
+            if hasattr(self, "prefill_graphs"):
+                self.prefill_graphs.destroy()
             gc.collect()
         if hasattr(self, "compiled_decode"):
             self.compiled_decode.close()
@@ -442,6 +457,7 @@ class Engine:
             "attn_backend",
             "ctx",
             "graph_runner",
+            "prefill_graphs",
             "compiled_decode",
         ):
             if hasattr(self, name):

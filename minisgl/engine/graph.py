@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +27,20 @@ logger = init_logger(__name__)
 def default_graph_bs(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def capture_forward(
+    forward: Callable[[], torch.Tensor], batch: Batch, pool: Any, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `forward` over `batch` (its inputs in static buffers) and the graph's output buffer; a
+    run outside the capture comes first: it compiles and autotunes this shape."""
+    graph = torch.cuda.CUDAGraph()
+    with get_global_ctx().forward_batch(batch):
+        forward()
+        torch.cuda.synchronize(stream.device)
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = forward()
+    return graph, out
 
 
 class GraphRunner:
@@ -54,6 +69,7 @@ class GraphRunner:
         self.vocab_size = vocab_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.pool: object | None = None  # the captured graphs' memory pool
         self.dummy_req = Req(
             input_ids=[0],
             table_idx=dummy_table_idx,
@@ -105,14 +121,10 @@ class GraphRunner:
                 batch.positions = self.positions[:bs]
                 batch.out_loc = self.out_loc[:bs]
                 self.attn_backend.prepare_for_capture(batch)
-                graph = torch.cuda.CUDAGraph()
-                with ctx.forward_batch(batch):
-                    self.forward()  # warm-up outside the capture: compiles and autotunes this shape
-                    torch.cuda.synchronize(self.device)
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.logits[bs] = self.forward()
+                graph, self.logits[bs] = capture_forward(self.forward, batch, pool, stream)
                 pool = graph.pool()
                 self.graphs[bs] = graph
+        self.pool = pool  # the prefill graphs share it
         torch.cuda.synchronize(self.device)
         logger.info_rank0(
             f"captured {len(self.graphs)} CUDA graphs for decode batch sizes up to {max_bs} "

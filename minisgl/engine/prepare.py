@@ -27,21 +27,29 @@ def _lens(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return starts, lens
 
 
+def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((n - t.shape[0],), value)]) if n > t.shape[0] else t
+
+
 def make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
-    """[cached_len, device_len) of every request, packed into one dimension."""
+    """[cached_len, device_len) of every request, packed into one dimension (a prefill padded for its
+    graph: position 0 for every padding token)."""
     starts, lens = _lens(batch)
     if batch.is_decode:
         return to_device_async(starts, device)
     offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
     pos = torch.arange(int(lens.sum())) - offsets + torch.repeat_interleave(starts, lens)
-    return to_device_async(pos, device)
+    return to_device_async(_pad(pos, batch.padded_tokens, 0), device)
 
 
-def make_input_tuple(batch: Batch, device: torch.device) -> Indice2D:
-    """(row, position) of every input token: the input comes from the token pool, its KV slot from the page table."""
+def make_input_tuple(batch: Batch, device: torch.device, pad_row: int = 0) -> Indice2D:
+    """(row, position) of every input token: the input comes from the token pool, its KV slot from the page table.
+
+    A prefill padded for its graph gives its padding tokens row `pad_row` (the dummy row: every slot of
+    it is the scratch slot, so their K/V land where no request reads)."""
     rows = torch.tensor([r.table_idx for r in batch.padded_reqs], dtype=torch.int64)
     if not batch.is_decode:  # a decode step has one input a row: nothing to repeat
-        rows = torch.repeat_interleave(rows, _lens(batch)[1])
+        rows = _pad(torch.repeat_interleave(rows, _lens(batch)[1]), batch.padded_tokens, pad_row)
     return to_device_async(rows, device), batch.positions
 
 

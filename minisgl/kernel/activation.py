@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
+from minisgl.utils.misc import div_ceil, next_pow2
 
 
 @direct_launch
@@ -30,8 +31,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-        x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=4
-    )
+    block = min(1024, next_pow2(n))
+    _silu_and_mul_kernel[(t, div_ceil(n, block))](x, y, n, x.stride(0), y.stride(0), BLOCK=block, num_warps=4)
     return y

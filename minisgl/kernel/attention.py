@@ -22,6 +22,7 @@ from minisgl.kernel import dot_precision
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
+from minisgl.utils.misc import div_ceil, next_pow2
 
 if TYPE_CHECKING:
     from minisgl.attention.base import DecodeRope
@@ -290,7 +291,7 @@ def _decode_merge_kernel(
 
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
-    want = triton.cdiv(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
+    want = div_ceil(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
     return max(1, min(MAX_SPLITS, want))
 
 
@@ -322,7 +323,7 @@ def decode_attention(
     group = hq // hk
     cfg = decode_config(bs, hk, q.dtype, fp8)
     out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
+    block_d = max(16, next_pow2(d))  # tl.dot wants K >= 16
     if rope is not None:
         if block_d != d or q.stride(-1) != 1 or rope.k.stride(-1) != 1 or rope.v.stride(-1) != 1:
             raise ValueError(
@@ -374,7 +375,7 @@ def decode_attention(
         rope.cos_sin.stride(0) if rope else 0,
         NUM_QO_HEADS=hq,
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=cfg.block_n,
         D=d,
         BLOCK_D=block_d,
@@ -401,7 +402,7 @@ def decode_attention(
             NUM_QO_HEADS=hq,
             D=d,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=next_pow2(num_splits),
             num_warps=4,
         )
     return out
@@ -527,10 +528,10 @@ def extend_attention(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot wants K >= 16
+    block_d = max(16, next_pow2(d))  # tl.dot wants K >= 16
     wide = q.dtype == torch.float32 or block_d > 128  # keep the tiles within shared memory
     block_m, block_n = (64, 32) if wide else (128, 64)
-    _extend_kernel[(triton.cdiv(max_q_len, block_m), hq, bs)](
+    _extend_kernel[(div_ceil(max_q_len, block_m), hq, bs)](
         q,
         k_cache,
         v_cache,

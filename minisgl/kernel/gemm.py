@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
+from minisgl.utils.misc import div_ceil, next_pow2
 
 # the largest batch served here: above it cuBLAS measured faster on every shape (docs/benchmarks.md)
 MAX_ROWS = 16
@@ -43,15 +44,16 @@ def serves(m: int, n: int, k: int) -> bool:
     return m <= MAX_ROWS and n <= k
 
 
+@cache  # called for every few-row product of every step: the answer depends on the shape only
 def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """Tiles for an [m, k] x [k, n] product: M padded to tensor-core rows, narrow N tiles, K split until
     the programs fill every SM once, each split keeping at least two K blocks."""
-    block_m = min(max(16, triton.next_power_of_2(m)), 64)
+    block_m = min(max(16, next_pow2(m)), 64)
     block_n = 32 if m <= 16 else 64
     block_k = 128
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    split = max(1, min(k_blocks // 2, triton.cdiv(sms, tiles)))
+    tiles = div_ceil(m, block_m) * div_ceil(n, block_n)
+    k_blocks = div_ceil(k, block_k)
+    split = max(1, min(k_blocks // 2, div_ceil(sms, tiles)))
     return GemmConfig(block_m, block_n, block_k, split)
 
 
@@ -147,10 +149,10 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = 
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or choose_config(m, n, k, _sm_count(x.device))
-    grid_n, grid_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+    grid_n, grid_m = div_ceil(n, cfg.block_n), div_ceil(m, cfg.block_m)
     # each split a whole number of K blocks; a split with none left would never take its ticket
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = div_ceil(div_ceil(k, cfg.split), cfg.block_k) * cfg.block_k
+    split = div_ceil(k, k_per_split)
     part, counters = _workspace(x.device)
     if split > 1 and (split * m * n > part.numel() or grid_n * grid_m > counters.numel()):
         split, k_per_split = 1, k

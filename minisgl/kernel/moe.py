@@ -19,6 +19,7 @@ import triton.language as tl
 from minisgl.kernel import dot_precision
 from minisgl.kernel.activation import silu_and_mul
 from minisgl.kernel.launch import direct_launch
+from minisgl.utils.misc import div_ceil
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _grouped_gemm(
     cfg: MoeConfig,
 ) -> None:
     n, k = b.shape[1], b.shape[2]
-    grid = (expert_ids.numel(), triton.cdiv(n, cfg.block_n))
+    grid = (expert_ids.numel(), div_ceil(n, cfg.block_n))
     _grouped_gemm_kernel[grid](
         a,
         b,

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
+from minisgl.utils.misc import div_ceil, next_pow2
 
 
 @direct_launch
@@ -65,9 +66,9 @@ def _launch(
     n_rows = n_outer * n_inner
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(y) if residual is not None else y
-    block_n = triton.next_power_of_2(n)
+    block_n = next_pow2(n)
     rows = max(1, min(16, 2048 // block_n))
-    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+    _rms_norm_kernel[(div_ceil(n_rows, rows),)](
         x,
         residual if residual is not None else x,
         y,

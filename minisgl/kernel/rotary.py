@@ -16,6 +16,7 @@ import triton.language as tl
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
+from minisgl.utils.misc import next_pow2
 
 if TYPE_CHECKING:
     from minisgl.attention.base import KVDestination
@@ -172,8 +173,8 @@ def apply_rotary(
         cos_sin.stride(0),
         HQ=hq,
         HK=hk,
-        BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_HQ=next_pow2(hq),
+        BLOCK_HK=next_pow2(hk),
         HALF=d // 2,
         NORM=qk_norm is not None,
         STORE=dest is not None,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
+from minisgl.utils.misc import div_ceil, next_pow2
 
 
 @direct_launch
@@ -104,9 +105,9 @@ def sample_tokens(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temps = temperatures.reshape(-1).to(torch.float32).contiguous()
-    block = min(2048, triton.next_power_of_2(vocab))
-    num_chunks = min(32, triton.next_power_of_2(triton.cdiv(vocab, 4 * block)))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    block = min(2048, next_pow2(vocab))
+    num_chunks = min(32, next_pow2(div_ceil(vocab, 4 * block)))
+    chunk = div_ceil(div_ceil(vocab, num_chunks), block) * block
     best_v = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
     best_i = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
     _sample_chunk_kernel[(bs, num_chunks)](
@@ -390,7 +391,7 @@ def filter_thresholds(
         logits = logits.contiguous()
     window = window or WINDOW
     block = 512
-    chunk = triton.cdiv(triton.cdiv(vocab, CHUNKS), block) * block
+    chunk = div_ceil(div_ceil(vocab, CHUNKS), block) * block
     dev = logits.device
     bounds = torch.empty((bs, CHUNKS, 2), dtype=torch.float32, device=dev)
     counts = torch.empty((bs, CHUNKS, 16), dtype=torch.float32, device=dev)

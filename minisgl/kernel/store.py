@@ -13,6 +13,7 @@ import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
 from minisgl.kvcache.mha_pool import FP8_DTYPE, FP8_MAX
+from minisgl.utils.misc import next_pow2
 
 
 @triton.jit
@@ -119,9 +120,9 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         H=h,
-        BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_H=next_pow2(h),
         D=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=next_pow2(d),
         FP8=fp8,
         FP8_LIMIT=FP8_MAX,
         num_warps=1 if h * d <= 512 else 4,

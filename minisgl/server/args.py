@@ -40,6 +40,7 @@ class ServerArgs:
     max_seq_len: int | None = None
     attention_backend: str | None = None
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_prefill: int | None = None
     tp_size: int = 1
     # several machines (SGLang's names): the ranks spread evenly; node 0 serves HTTP
     nnodes: int = 1
@@ -83,6 +84,7 @@ class ServerArgs:
             "max_seq_len_override": self.max_seq_len,
             "attention_backend": self.attention_backend,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "cuda_graph_max_prefill": self.cuda_graph_max_prefill,
             "dtype": parse_dtype(self.dtype) if self.dtype is not None else None,
             "quantization": self.quantization,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -202,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-max-bs",
         type=_non_negative,
         help="largest batch decoded with a CUDA graph; 0: no graphs (default: 256, or --max-running-req if less)",
+    )
+    engine.add_argument(
+        "--cuda-graph-max-prefill",
+        type=_non_negative,
+        help="largest prefill step (in tokens, of up to 8 requests) run from a CUDA graph; 0: none (default: 512)",
     )
     dist = p.add_argument_group("tensor parallelism")
     dist.add_argument(

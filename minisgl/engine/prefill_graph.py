@@ -1,0 +1,154 @@
+"""CUDA graphs for small prefill steps: one graph per token count, steps padded up to the next one.
+
+A prefill step launches about 260 kernels from the host, each through a Python call of 10-40 us, so a
+short prompt's first token waits on the host, not the GPU: on an H200 a 16-token and a 1,024-token
+prompt both took about 20 ms to their first token (docs/benchmarks.md, "Prefill graphs"). Here a step of
+up to `max_tokens` tokens and `max_reqs` requests replays a graph captured for the next token count up.
+
+How a step is padded so that one graph serves every such step:
+- its requests are followed by empty ones (no query this step: the extend kernel returns at once for
+  them) up to `max_reqs`, so the attention metadata and the rows whose logits are kept have fixed sizes;
+- its tokens are followed by padding tokens up to the graph's count that belong to no request: they
+  read the dummy row of the token pool and page table (every slot of that row is the scratch slot no
+  request owns), so their K/V land there, and no request's attention reads their rows.
+Static buffers take the step's inputs by device-to-device copies before the replay, on the engine's
+stream, as for the decode graphs (graph.py).
+
+Off on the CPU, with cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits
+rows vary), and for attention backends without static prefill metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
+from minisgl.engine.graph import capture_forward
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+# requests a graphed prefill step may hold (a multiple of 4: the metadata rows stay 16-byte aligned)
+MAX_REQS = 8
+
+
+def default_token_counts(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... up to max_tokens (and max_tokens itself): at most twice the tokens a step needs."""
+    counts, n = [], 16
+    while n < max_tokens:
+        counts.append(n)
+        n *= 2
+    return sorted(set(counts) | {max_tokens}) if max_tokens > 0 else []
+
+
+def _empty_req(table_idx: int) -> Req:
+    # a request with nothing to compute this step: cached_len == device_len, so extend_len == 0
+    return Req(
+        input_ids=[0],
+        table_idx=table_idx,
+        cached_len=1,
+        output_len=1,
+        uid=-1,
+        sampling_params=SamplingParams(max_tokens=1),
+        cache_handle=None,
+        seed=0,
+    )
+
+
+class PrefillGraphRunner:
+    def __init__(
+        self,
+        device: torch.device,
+        max_tokens: int,
+        attn_backend: BaseAttnBackend,
+        forward: Callable[[], torch.Tensor],
+        dummy_table_idx: int,
+    ) -> None:
+        self.enabled = device.type == "cuda" and max_tokens > 0
+        self.device = device
+        self.token_counts = default_token_counts(max_tokens) if self.enabled else []
+        self.max_tokens = self.token_counts[-1] if self.token_counts else 0
+        self.max_reqs = MAX_REQS
+        self.attn_backend = attn_backend
+        self.forward = forward
+        self.dummy_table_idx = dummy_table_idx
+        self.empty_req = _empty_req(dummy_table_idx)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def padded_tokens(self, batch: Batch) -> int:
+        """The token count of the graph this prefill step would replay; 0: it runs eagerly."""
+        if not self.graphs or not batch.is_prefill or batch.size > self.max_reqs:
+            return 0
+        if any(r.sampling_params.prompt_logprobs is not None for r in batch.reqs):
+            return 0
+        tokens = sum(r.extend_len for r in batch.reqs)
+        return next((n for n in self.token_counts if n >= tokens), 0)
+
+    def pad_batch(self, batch: Batch) -> None:
+        """A prefill step that will replay a graph gets empty requests up to max_reqs and its token
+        count set (prepare.py pads the tokens with the dummy row)."""
+        padded = self.padded_tokens(batch)
+        if padded:
+            batch.padded_reqs = batch.reqs + [self.empty_req] * (self.max_reqs - batch.size)
+            batch.padded_tokens = padded
+
+    def can_use(self, batch: Batch) -> bool:
+        return batch.is_prefill and batch.padded_tokens in self.graphs
+
+    @torch.inference_mode()
+    def capture(self, stream: torch.cuda.Stream, pool: Any = None) -> None:
+        """Capture one graph per token count, largest first so the smaller ones reuse its memory;
+        `pool` is the decode graphs' memory pool, shared (the graphs never run at the same time)."""
+        if not self.enabled:
+            return
+        try:
+            self.attn_backend.init_prefill_capture(self.max_reqs)
+        except NotImplementedError as e:
+            logger.info_rank0(f"prefill runs without CUDA graphs: {e}")
+            self.enabled = False
+            return
+        start = time.perf_counter()
+        n = self.max_tokens
+        self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        ctx = get_global_ctx()
+        scratch = int(ctx.page_table[self.dummy_table_idx, 0].item())
+        self.out_loc = torch.full((n,), scratch, dtype=torch.int64, device=self.device)
+        self.last_indices = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
+        with torch.cuda.stream(stream):
+            for tokens in reversed(self.token_counts):
+                batch = Batch(reqs=[self.empty_req] * self.max_reqs, phase="prefill")
+                batch.padded_tokens = tokens
+                batch.input_ids = self.input_ids[:tokens]
+                batch.positions = self.positions[:tokens]
+                batch.out_loc = self.out_loc[:tokens]
+                batch.last_indices = self.last_indices
+                self.attn_backend.prepare_for_prefill_capture(batch, tokens)
+                graph, self.logits[tokens] = capture_forward(self.forward, batch, pool, stream)
+                pool = graph.pool()
+                self.graphs[tokens] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info_rank0(
+            f"captured {len(self.graphs)} CUDA graphs for prefill steps of up to {n} tokens and "
+            f"{self.max_reqs} requests in {time.perf_counter() - start:.1f} s"
+        )
+
+    def replay(self, batch: Batch) -> torch.Tensor:
+        n = batch.padded_tokens
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_loc[:n].copy_(batch.out_loc)
+        self.last_indices.copy_(batch.last_indices)
+        self.attn_backend.prepare_for_prefill_replay(batch)
+        self.graphs[n].replay()
+        return self.logits[n]
+
+    def destroy(self) -> None:
+        self.graphs.clear()
+        self.logits.clear()

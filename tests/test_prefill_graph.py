@@ -1,0 +1,114 @@
+"""Prefill steps padded for their CUDA graph (engine/prefill_graph.py) give the tokens of unpadded ones.
+
+Without a GPU the padding itself is tested: the engine runs the CUDA path's layer code in Triton's
+interpreter (MINISGL_KERNELS=triton), every prefill step padded with empty requests and padding tokens
+as a graph's replay would be, eagerly. On a GPU the graphs are captured and replayed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreter import CUDA, DEVICE
+from tiny import random_prompts
+
+from minisgl.core import Batch, SamplingParams
+from minisgl.engine.prefill_graph import MAX_REQS, PrefillGraphRunner, default_token_counts
+from minisgl.env import ENV
+
+
+def test_token_counts_double_up_to_the_largest() -> None:
+    assert default_token_counts(512) == [16, 32, 64, 128, 256, 512]
+    assert default_token_counts(100) == [16, 32, 64, 100]
+    assert default_token_counts(8) == [8]
+    assert default_token_counts(0) == []
+
+
+def _pad_every_prefill(llm, monkeypatch: pytest.MonkeyPatch, counts: list[int]) -> list[tuple[int, int]]:
+    """Every prefill step of up to MAX_REQS requests padded to the next of `counts` (as if graphs of those
+    token counts were captured), run eagerly; returns (tokens, padded) of each padded step."""
+    engine = llm.engine
+    runner: PrefillGraphRunner = engine.prefill_graphs
+    # the CPU engine keeps no scratch page: the padding tokens get a slot of the pool's last page, which
+    # these short prompts never reach
+    scratch = (engine.num_pages - 1) * engine.page_size
+    engine.page_table[runner.dummy_table_idx].fill_(scratch)
+    runner.token_counts = counts
+    padded: list[tuple[int, int]] = []
+
+    def padded_tokens(batch: Batch) -> int:
+        if not batch.is_prefill or batch.size > runner.max_reqs:
+            return 0
+        tokens = sum(r.extend_len for r in batch.reqs)
+        n = next((c for c in counts if c >= tokens), 0)
+        if n:
+            padded.append((tokens, n))
+        return n
+
+    monkeypatch.setattr(runner, "padded_tokens", padded_tokens)
+    return padded
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU test below captures real graphs")
+@pytest.mark.parametrize("variant,page_size", [("qwen3", 16), ("llama", 1)])
+def test_padded_prefill_gives_the_tokens_of_transformers(
+    variant: str, page_size: int, tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    folder = tiny_model(variant)
+    # 10 prompts with max_running_req 4: prefill steps of 1-4 requests, and later ones beside running decodes
+    prompts = random_prompts(10, seed=7, min_len=18, max_len=30)
+    llm = make_llm(folder, page_size=page_size, max_running_req=4, device=DEVICE.type)
+    padded = _pad_every_prefill(llm, monkeypatch, [16, 64, 128])
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
+    assert any(n > tokens for tokens, n in padded), "no step was padded: the test tested nothing"
+    # a prompt that shares a cached prefix: the padded step's queries attend over the cached pages too
+    shared = [prompts[0] + [5, 6, 7]]
+    again = llm.generate(shared, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert again[0]["cached_tokens"] > 0
+    assert [o["token_ids"] for o in again] == hf_reference(folder, shared, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["qwen3", "llama", "qwen3-moe"])
+def test_prefill_graphs_give_the_tokens_of_transformers(
+    variant: str, tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tiny_model(variant)
+    llm = make_llm(folder, device="cuda", page_size=16, max_running_req=16, cuda_graph_max_prefill=64)
+    runner: PrefillGraphRunner = llm.engine.prefill_graphs
+    assert sorted(runner.graphs) == [16, 32, 64]
+    replayed: list[int] = []
+    replay = runner.replay
+
+    def counted(batch: Batch) -> torch.Tensor:
+        replayed.append(batch.padded_tokens)
+        return replay(batch)
+
+    monkeypatch.setattr(runner, "replay", counted)
+    # one request alone, then 3 together, then more than MAX_REQS together (eager), some over 64 tokens
+    sets = [
+        random_prompts(1, seed=1, max_len=12),
+        random_prompts(3, seed=2, max_len=20),
+        random_prompts(MAX_REQS + 3, seed=3, max_len=6),
+        random_prompts(2, seed=4, min_len=40, max_len=60),
+    ]
+    for prompts in sets:
+        out = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+        assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 5)
+    assert replayed and set(replayed) <= {16, 32, 64}
+    shared = [sets[3][0][:30] + [9, 8, 7, 6]]
+    again = llm.generate(shared, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert again[0]["cached_tokens"] > 0
+    assert [o["token_ids"] for o in again] == hf_reference(folder, shared, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_prefill_graphs_off(tiny_model, make_llm) -> None:
+    llm = make_llm(tiny_model("qwen3"), device="cuda", max_running_req=4, cuda_graph_max_prefill=0)
+    assert not llm.engine.prefill_graphs.graphs
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 2
