@@ -18,8 +18,9 @@ from minisgl.env import ENV
 
 
 def test_token_counts_double_up_to_the_largest() -> None:
-    assert default_token_counts(512) == [16, 32, 64, 128, 256, 512]
+    assert default_token_counts(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert default_token_counts(100) == [16, 32, 64, 100]
+    assert default_token_counts(600) == [16, 32, 64, 128, 256, 512, 600]
     assert default_token_counts(8) == [8]
     assert default_token_counts(0) == []
 
@@ -112,3 +113,20 @@ def test_prefill_graphs_off(tiny_model, make_llm) -> None:
     assert not llm.engine.prefill_graphs.graphs
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0]["token_ids"]) == 2
+
+
+def test_the_server_flag_reaches_the_engine_config() -> None:
+    from minisgl.server.args import parse_args
+
+    config = parse_args(["--cuda-graph-max-prefill", "64"]).scheduler_config("ipc://b", "ipc://d")
+    assert config.cuda_graph_max_prefill == 64
+    assert parse_args([]).scheduler_config("ipc://b", "ipc://d").cuda_graph_max_prefill is None
+    with pytest.raises(SystemExit):
+        parse_args(["--cuda-graph-max-prefill", "-1"])
+
+
+def test_a_negative_limit_is_refused() -> None:
+    from minisgl.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_prefill=-5 is invalid"):
+        EngineConfig(cuda_graph_max_prefill=-5).validate()

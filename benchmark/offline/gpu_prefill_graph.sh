@@ -2,7 +2,7 @@
 # Prefill steps from CUDA graphs (engine/prefill_graph.py), on one GPU, in two calls:
 #   tests    tests/test_prefill_graph.py, the Triton kernel tests, the CUDA engine tests (graphs on, as by
 #            default) and the launcher's tests;
-#   measure  prefill_latency.py with --cuda-graph-max-prefill 0 (eager) and the default (512) in turn, a
+#   measure  prefill_latency.py with --cuda-graph-max-prefill 0 (eager) and 512 in turn, a
 #            fresh process each, three times each (first token at 16, 128, 512, 1024 prompt tokens, the
 #            top-k/top-p decode rate, the start-up time); then the upstream workload through bench.py
 #            with the defaults (its prefill steps are thousands of tokens: they stay eager).

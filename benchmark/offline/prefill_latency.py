@@ -4,7 +4,7 @@
         [--cuda-graph-max-prefill N] [--json out.json]
 
 Each prompt is new (no prefix shared) and asks for one token; the median of 10 is printed a length. A
-prefill step of up to --cuda-graph-max-prefill tokens replays a CUDA graph (the engine's default: 512;
+prefill step of up to --cuda-graph-max-prefill tokens replays a CUDA graph (the engine's default: 2048;
 0: none); a longer one runs eagerly, and at short prompts its time is then the host's launches (about 260
 a step on Qwen3-0.6B) more than the GPU's work. The engine's start-up time is printed too. Then one request decodes 128 tokens (CUDA graphs; the
 sampling kernels run outside the graph): milliseconds a token.

@@ -30,7 +30,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # None: a default that suits the device; 0 turns graphs off
     cuda_graph_bs: list[int] | None = None
     # prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs (engine/prefill_graph.py);
-    # None: 512 on CUDA; 0 turns them off
+    # None: 2048 on CUDA; 0 turns them off
     cuda_graph_max_prefill: int | None = None
     distributed_addr: str = "tcp://127.0.0.1:29517"  # torch.distributed's rendezvous, for tp_info.size > 1
     nnodes: int = 1  # machines the ranks are spread over, evenly

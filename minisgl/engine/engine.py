@@ -147,7 +147,7 @@ class Engine:
         max_prefill = config.cuda_graph_max_prefill
         self.prefill_graphs = PrefillGraphRunner(
             self.device,
-            (512 if max_prefill is None else max_prefill) if use_graphs else 0,
+            (2048 if max_prefill is None else max_prefill) if use_graphs else 0,
             self.attn_backend,
             self.model.forward,
             config.max_running_req,

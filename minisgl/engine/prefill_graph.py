@@ -2,8 +2,9 @@
 
 A prefill step launches about 260 kernels from the host, each through a Python call of 10-40 us, so a
 short prompt's first token waits on the host, not the GPU: on an H200 a 16-token and a 1,024-token
-prompt both took about 20 ms to their first token (docs/benchmarks.md, "Prefill graphs"). Here a step of
-up to `max_tokens` tokens and `max_reqs` requests replays a graph captured for the next token count up.
+prompt both took about 15-20 ms to their first token, and take 2.5 and 6 ms from graphs
+(docs/benchmarks.md, "Prefill graphs"). Here a step of up to `max_tokens` tokens and `max_reqs`
+requests replays a graph captured for the next token count up.
 
 How a step is padded so that one graph serves every such step:
 - its requests are followed by empty ones (no query this step: the extend kernel returns at once for
@@ -38,11 +39,12 @@ MAX_REQS = 8
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... up to max_tokens (and max_tokens itself): at most twice the tokens a step needs."""
+    """16, 32, 64, 128, 256, then every 256 up to max_tokens (and max_tokens itself): a step pads to at
+    most twice its tokens, and above 256 by at most 255 (the GPU time of padding grows with the count)."""
     counts, n = [], 16
     while n < max_tokens:
         counts.append(n)
-        n *= 2
+        n = n * 2 if n < 256 else n + 256
     return sorted(set(counts) | {max_tokens}) if max_tokens > 0 else []
 
 
