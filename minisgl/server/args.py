@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--cuda-graph-max-prefill",
         type=_non_negative,
-        help="largest prefill step (in tokens, of up to 8 requests) run from a CUDA graph; 0: none (default: 2048)",
+        help="largest prefill step (in tokens, of up to 8 requests) run from a CUDA graph; 0: none, as with "
+        "--cuda-graph-max-bs 0 (default: 2048)",
     )
     dist = p.add_argument_group("tensor parallelism")
     dist.add_argument(
