@@ -130,3 +130,43 @@ def test_a_negative_limit_is_refused() -> None:
 
     with pytest.raises(ValueError, match="cuda_graph_max_prefill=-5 is invalid"):
         EngineConfig(cuda_graph_max_prefill=-5).validate()
+
+
+def test_which_steps_replay_a_graph() -> None:
+    """The choice of graph by the step alone: a prefill of at most MAX_REQS requests and the largest
+    token count, without prompt logprobs; the next token count up; otherwise 0 (eager)."""
+
+    def req(n: int, **params) -> object:
+        from minisgl.core import Req
+
+        return Req(
+            input_ids=list(range(n)),
+            table_idx=0,
+            cached_len=0,
+            output_len=4,
+            uid=0,
+            sampling_params=SamplingParams(**params),
+            cache_handle=None,
+            seed=0,
+        )
+
+    runner = PrefillGraphRunner(torch.device("cpu"), 0, None, lambda: torch.zeros(1), 99)  # type: ignore[arg-type]
+    runner.token_counts = default_token_counts(512)
+    runner.graphs = dict.fromkeys(runner.token_counts)  # as if captured
+    runner.max_tokens = 512
+
+    def prefill(*reqs: object) -> Batch:
+        return Batch(reqs=list(reqs), phase="prefill")  # type: ignore[arg-type]
+
+    assert runner.padded_tokens(prefill(req(5))) == 16
+    assert runner.padded_tokens(prefill(req(16))) == 16
+    assert runner.padded_tokens(prefill(req(17), req(30))) == 64
+    assert runner.padded_tokens(prefill(req(300), req(212))) == 512
+    assert runner.padded_tokens(prefill(req(300), req(213))) == 0  # over the largest graph
+    assert runner.padded_tokens(prefill(*[req(1) for _ in range(MAX_REQS + 1)])) == 0
+    assert runner.padded_tokens(prefill(req(5), req(5, prompt_logprobs=1))) == 0
+    assert runner.padded_tokens(Batch(reqs=[req(1)], phase="decode")) == 0
+    batch = prefill(req(5), req(6))
+    runner.pad_batch(batch)
+    assert batch.padded_tokens == 16 and batch.size == 2 and batch.padded_size == MAX_REQS
+    assert all(r.extend_len == 0 and r.table_idx == 99 for r in batch.padded_reqs[2:])
