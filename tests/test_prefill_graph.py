@@ -23,6 +23,11 @@ def test_token_counts_double_up_to_the_largest() -> None:
     assert default_token_counts(600) == [16, 32, 64, 128, 256, 512, 600]
     assert default_token_counts(8) == [8]
     assert default_token_counts(0) == []
+    # None (the configuration's default) is 2,048 tokens on CUDA; nothing on the CPU
+    cuda = PrefillGraphRunner(torch.device("cuda"), None, None, lambda: torch.zeros(1), 0)  # type: ignore[arg-type]
+    assert cuda.max_tokens == 2048 and cuda.token_counts == default_token_counts(2048)
+    cpu = PrefillGraphRunner(torch.device("cpu"), None, None, lambda: torch.zeros(1), 0)  # type: ignore[arg-type]
+    assert cpu.token_counts == [] and not cpu.enabled
 
 
 def _pad_every_prefill(llm, monkeypatch: pytest.MonkeyPatch, counts: list[int]) -> list[tuple[int, int]]:

@@ -144,10 +144,9 @@ class Engine:
             self.max_seq_len,
             mc.vocab_size,
         )
-        max_prefill = config.cuda_graph_max_prefill
         self.prefill_graphs = PrefillGraphRunner(
             self.device,
-            (2048 if max_prefill is None else max_prefill) if use_graphs else 0,
+            config.cuda_graph_max_prefill if use_graphs else 0,
             self.attn_backend,
             self.model.forward,
             config.max_running_req,

@@ -36,6 +36,8 @@ logger = init_logger(__name__)
 
 # requests a graphed prefill step may hold (a multiple of 4: the metadata rows stay 16-byte aligned)
 MAX_REQS = 8
+# the largest graphed step's tokens when the configuration leaves it to the engine (docs/benchmarks.md)
+DEFAULT_MAX_TOKENS = 2048
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -66,11 +68,13 @@ class PrefillGraphRunner:
     def __init__(
         self,
         device: torch.device,
-        max_tokens: int,
+        max_tokens: int | None,
         attn_backend: BaseAttnBackend,
         forward: Callable[[], torch.Tensor],
         dummy_table_idx: int,
     ) -> None:
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
         self.enabled = device.type == "cuda" and max_tokens > 0
         self.device = device
         self.token_counts = default_token_counts(max_tokens) if self.enabled else []
