@@ -95,6 +95,8 @@ class LevelResult:
             "output_tokens": out_tokens,
             "output_tok_per_s": round(out_tokens / seconds, 1),
             "no_text": sum(r.ttft is None for r in done),
+            # the level's first request to finish: with one client, the first sent (after start, on the first level)
+            "ttft_first_ms": round(done[0].ttft * 1000, 1) if done and done[0].ttft is not None else None,
         }
         series = {
             "ttft": [r.ttft for r in done if r.ttft is not None],
