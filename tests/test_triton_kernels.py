@@ -98,8 +98,23 @@ def test_decode_attention_matches_reference(
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
+# the engine's choice for float32, then tiles of 16 with the keys below the diagonal loaded unmasked
+# (the cached prefix of 67 keys: 4 full tiles), the query blocks in both orders
+EXTEND_TILES = [
+    None,
+    attention.ExtendConfig(16, 16, 4, 2, even=True),
+    attention.ExtendConfig(16, 16, 4, 2, even=True, longest_first=True),
+    attention.ExtendConfig(32, 16, 4, 3, longest_first=True),
+]
+EXTEND_IDS = ["chosen", "even", "even_longest_first", "longest_first"]
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_extend_attention_with_cached_prefix_matches_reference(page_size: int) -> None:
+@pytest.mark.parametrize("tiles", EXTEND_TILES, ids=EXTEND_IDS)
+def test_extend_attention_with_cached_prefix_matches_reference(
+    page_size: int, tiles: attention.ExtendConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "EXTEND_CONFIG", tiles)
     # a fresh prompt, a request with a cached prefix, and a one-token extension
     lens, q_lens, hq, hk, d = [40, 90, 20], [40, 23, 1], 4, 1, 16
     k, v, table = paged_pool(lens, hk, d, page_size, torch.float32, seed=7 + page_size)
@@ -132,6 +147,35 @@ def test_bf16_attention_within_bf16_error() -> None:
     ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, [1] * len(lens))
     for splits in (1, 4):
         assert rel_err(decode_attention(q, k, v, table, rows, seq, splits, d**-0.5).cpu(), ref) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core tiles need a GPU")
+@pytest.mark.parametrize(
+    "tiles", [None, attention.ExtendConfig(128, 128, 8, 3, even=True, longest_first=True)]
+)
+def test_bf16_extend_attention_within_bf16_error(
+    tiles: attention.ExtendConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "EXTEND_CONFIG", tiles)
+    # a fresh prompt of 700 tokens, and 300 new tokens after a cached prefix of 1,000
+    lens, q_lens, hq, hk, d = [700, 1300], [700, 300], 16, 8, 128
+    k, v, table = paged_pool(lens, hk, d, 1, torch.bfloat16, seed=5)
+    q = torch.randn(sum(q_lens), hq, d, device=DEVICE).bfloat16()
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out = extend_attention(
+        q,
+        k,
+        v,
+        table,
+        torch.arange(2, **i32),
+        torch.tensor(lens, **i32),
+        torch.tensor([0, 700], **i32),
+        torch.tensor(q_lens, **i32),
+        max(q_lens),
+        d**-0.5,
+    )
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, q_lens)
+    assert rel_err(out.cpu(), ref) < 1e-2
 
 
 def test_rms_norm_with_and_without_residual_match_torch() -> None:
@@ -239,7 +283,11 @@ def test_decode_attention_reads_fp8_with_its_scales(
         decode_attention(q, k8, v8, table, rows, seq, num_splits, d**-0.5)
 
 
-def test_extend_attention_reads_fp8_with_its_scales() -> None:
+@pytest.mark.parametrize("tiles", EXTEND_TILES, ids=EXTEND_IDS)
+def test_extend_attention_reads_fp8_with_its_scales(
+    tiles: attention.ExtendConfig | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "EXTEND_CONFIG", tiles)
     lens, q_lens, hq, hk, d = [40, 90, 20], [40, 23, 1], 4, 1, 16
     k, v, table = paged_pool(lens, hk, d, 4, torch.float32, seed=13)
     k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k, v * 5, 2.0, 0.125)

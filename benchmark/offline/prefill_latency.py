@@ -89,10 +89,21 @@ def main() -> None:
     p.add_argument("--lens", default="16,128,1024")
     p.add_argument("--cuda-graph-max-prefill", type=int, help="the engine's default when left out")
     p.add_argument("--peer", choices=["none", "transformers"], default="none")
+    p.add_argument(
+        "--extend-tiles",
+        metavar="BLOCK_M,BLOCK_N,WARPS,STAGES,EVEN,LONGEST_FIRST",
+        help="force one prefill-attention tile configuration (kernel/attention.py's ExtendConfig)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     from minisgl import LLM, SamplingParams
     from minisgl.env import ENV
+
+    if args.extend_tiles:
+        from minisgl.kernel import attention as attn
+
+        bm, bn, warps, stages, even, longest = (int(x) for x in args.extend_tiles.split(","))
+        attn.EXTEND_CONFIG = attn.ExtendConfig(bm, bn, warps, stages, bool(even), bool(longest))
 
     start = time.perf_counter()
     llm = LLM(

@@ -11,6 +11,7 @@ outputs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,48 @@ def decode_config(
     return WIDE if batch_size * num_kv_heads >= 1024 else EVEN_DEEP
 
 
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # the keys every query of a block sees (before its first query) loaded without masks, only the diagonal
+    # tiles masked: the loads then depend on nothing but the page table (BLOCK_D == D only)
+    even: bool = False
+    # the query blocks of a request launched last first: under the causal mask a block's work grows with its
+    # index, so the longest programs start first and the short ones fill the tail
+    longest_first: bool = False
+
+
+EXTEND_CONFIG: ExtendConfig | None = None  # set to force one tile configuration (benchmarks)
+
+
+# measured on an H200 (docs/benchmarks.md, "Prefill attention's tiles"): 128 x 128 tiles in three stages, the
+# longest query blocks first, 8-17% faster than 128 x 64 in two on long prompts, on a long prompt's last chunk
+# and on the workload's prefill step; they need about 200 KB of shared memory a program (Hopper's 227 KB)
+LARGE = ExtendConfig(128, 128, 8, 3, longest_first=True)
+SMALL = ExtendConfig(128, 64, 8, 2)
+LARGE_SHARED_BYTES = 200 * 1024
+
+
+@functools.cache
+def _shared_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on this GPU, as Triton checks it (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def extend_config(q_dtype: torch.dtype, block_d: int, device: torch.device) -> ExtendConfig:
+    if EXTEND_CONFIG is not None:
+        return EXTEND_CONFIG
+    if q_dtype == torch.float32 or block_d > 128:  # keep the tiles within shared memory
+        return ExtendConfig(64, 32, 4, 2)
+    return LARGE if _shared_bytes(device) >= LARGE_SHARED_BYTES else SMALL
+
+
 @triton.jit
 def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of keys into the online softmax of the query heads: the new (max, sum, weighted V)."""
@@ -76,6 +119,12 @@ def _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, nmask, MASKED: tl.constexpr, 
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASKED:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
+    return _online_softmax(qk, v, m_i, l_i, acc, PRECISION)
+
+
+@triton.jit
+def _online_softmax(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Scores of one tile of keys (masked ones -inf) into the running (max, sum, weighted V) of their rows."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -408,6 +457,20 @@ def decode_attention(
     return out
 
 
+@triton.jit
+def _extend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs_n, q_pos, end, CAUSAL, PRECISION: tl.constexpr):
+    """One tile of keys into the queries' online softmax; CAUSAL: the tile reaches the block's diagonal
+    or the context's end, so the causal mask and the bound apply."""
+    if k.dtype != q.dtype:  # an FP8 pool's tile, widened in registers
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if CAUSAL:
+        causal = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < end)[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+    return _online_softmax(qk, v, m_i, l_i, acc, PRECISION)
+
+
 @direct_launch
 @triton.jit
 def _extend_kernel(
@@ -440,8 +503,12 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     HALF: tl.constexpr,
+    EVEN: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
     mblk = tl.program_id(0)
+    if LONGEST_FIRST:
+        mblk = tl.num_programs(0) - 1 - mblk
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_len = tl.load(QLens + b)
@@ -474,26 +541,27 @@ def _extend_kernel(
     # keys before the block's first query are visible to all of its queries: no mask there
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
     end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
-    for n in range(0, end, BLOCK_N):
+    start = 0
+    if EVEN:  # BLOCK_D == D: the tiles below full_end without a mask, then the diagonal ones masked
+        for n in range(0, full_end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            slots = tl.load(PageTable + row * stride_pt + offs_n).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :])
+            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :])
+            m_i, l_i, acc = _extend_tile(
+                q, k, v, m_i, l_i, acc, qk_scale, offs_n, q_pos, end, False, PRECISION
+            )
+        start = full_end
+    for n in range(start, end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         slots = tl.load(PageTable + row * stride_pt + offs_n, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if n + BLOCK_N > full_end:
-            causal = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
-            qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _extend_tile(
+            q, k, v, m_i, l_i, acc, qk_scale, offs_n, q_pos, end, n + BLOCK_N > full_end, PRECISION
+        )
 
     out = acc / l_i[:, None]
     if FP8:
@@ -529,9 +597,8 @@ def extend_attention(
     if t == 0:
         return out
     block_d = max(16, next_pow2(d))  # tl.dot wants K >= 16
-    wide = q.dtype == torch.float32 or block_d > 128  # keep the tiles within shared memory
-    block_m, block_n = (64, 32) if wide else (128, 64)
-    _extend_kernel[(div_ceil(max_q_len, block_m), hq, bs)](
+    cfg = extend_config(q.dtype, block_d, q.device)
+    _extend_kernel[(div_ceil(max_q_len, cfg.block_m), hq, bs)](
         q,
         k_cache,
         v_cache,
@@ -554,14 +621,16 @@ def extend_attention(
         out.stride(1),
         sm_scale * _LOG2E,
         GROUP=hq // hk,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         D=d,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
         FP8=fp8,
         HALF=fp8 and q.dtype != torch.float32,
-        num_warps=8 if block_m == 128 else 4,
-        num_stages=2,
+        EVEN=cfg.even and block_d == d,
+        LONGEST_FIRST=cfg.longest_first,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
