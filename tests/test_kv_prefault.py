@@ -108,11 +108,12 @@ def test_populating_keeps_what_a_step_already_wrote(monkeypatch) -> None:
 def test_the_cache_manager_reports_each_new_highest_page_once() -> None:
     seen: list[int] = []
     cm = CacheManager(64, 1, torch.zeros(4, 64, dtype=torch.int32), "naive", will_use=seen.append)
-    pages = [cm._take_page() for _ in range(5)]
-    assert pages == [0, 1, 2, 3, 4] and seen == [0, 1, 2, 3, 4]
+    assert [cm._take_pages(1)[0] for _ in range(3)] == [0, 1, 2] and seen == [0, 1, 2]
+    assert cm._take_pages(2) == [3, 4] and seen == [0, 1, 2, 4]
     cm._free([4, 2])
-    assert [cm._take_page(), cm._take_page(), cm._take_page()] == [2, 4, 5]
-    assert seen == [0, 1, 2, 3, 4, 5]
+    assert cm._take_pages(3) == [2, 4, 5]
+    assert cm._take_pages(1) == [6]
+    assert seen == [0, 1, 2, 4, 5, 6]
 
 
 def test_an_engine_maps_its_pool_ahead_and_stops_the_thread_at_shutdown(tmp_path) -> None:

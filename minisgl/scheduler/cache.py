@@ -6,7 +6,6 @@ request (the pages of its row that the cache does not own). `check_integrity` as
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.kvcache.base import BasePrefixCache, MatchResult, NaivePrefixCache
+from minisgl.scheduler.free_pages import FreePages
 from minisgl.utils.misc import align_up, div_ceil
 from minisgl.utils.torch_utils import to_device_async
 
@@ -53,11 +53,8 @@ class CacheManager:
         self.device = page_table.device
         self.cache_type = cache_type
         self.prefix_cache = create_prefix_cache(cache_type, page_size)
-        # a min-heap: the lowest free page is handed out first, so that the pages a batch's requests
-        # write stay close together in the pool whatever order they came back in; a last-freed-first
-        # list scattered them, and a CPU decode step of 64 requests slowed by 10-20% from one
-        # generate() to the next (docs/benchmarks.md, "Smoothed W8A8")
-        self.free_pages: list[int] = list(range(num_pages))
+        # lowest first, a run at a time (free_pages.py says why)
+        self.free_pages = FreePages(num_pages)
         self.rows: dict[int, RowPages] = {}
         self._lazy_depth = 0
         self._lazy_freed: list[int] = []
@@ -89,48 +86,60 @@ class CacheManager:
         """A newly admitted request starts with the matched pages of the cache in its row."""
         self.rows[table_idx] = RowPages(list(match.pages), len(match.pages))
         if match.pages:
-            self._write_rows([(table_idx, i, p) for i, p in enumerate(match.pages)])
+            n = len(match.pages)
+            self._write_rows([table_idx] * n, list(range(n)), list(match.pages))
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_paged(self, reqs: list[Req]) -> None:
         """Give every request pages for the positions it computes this step, [cached_len, device_len)."""
-        writes: list[tuple[int, int, int]] = []
+        needs: list[tuple[int, RowPages, int]] = []  # (table row, its pages, how many more)
         for req in reqs:
             row = self.rows[req.table_idx]
             first, last = div_ceil(req.cached_len, self.page_size), div_ceil(req.device_len, self.page_size)
-            assert first >= len(row.pages) or last <= len(row.pages), "pages are allocated in order"
-            for index in range(len(row.pages), last):
-                page = self._take_page()
-                row.pages.append(page)
-                writes.append((req.table_idx, index, page))
-        if writes:
-            self._write_rows(writes)
+            have = len(row.pages)
+            assert first >= have or last <= have, "pages are allocated in order"
+            if last > have:
+                needs.append((req.table_idx, row, last - have))
+        if not needs:
+            return
+        # one take for the whole step: the lowest pages, handed out in request order, as one take a request
+        # would have handed them out
+        pages = self._take_pages(sum(k for _, _, k in needs))
+        rows: list[int] = []
+        cols: list[int] = []
+        at = 0
+        for idx, row, k in needs:
+            have = len(row.pages)
+            row.pages.extend(pages[at : at + k])
+            rows += [idx] * k
+            cols += range(have, have + k)
+            at += k
+        self._write_rows(rows, cols, pages)
 
-    def _take_page(self) -> int:
-        if not self.free_pages:
-            self._release(self.prefix_cache.evict(max(1, self.num_pages // 64)))
-        if not self.free_pages:
+    def _take_pages(self, n: int) -> list[int]:
+        """The n lowest free pages, evicting from the prefix cache first if too few are free."""
+        short = n - len(self.free_pages)
+        if short > 0:
+            self._release(self.prefix_cache.evict(max(short, self.num_pages // 64)))
+        if n > len(self.free_pages):
             raise RuntimeError("KV pool exhausted: admission control let in more than fits (a bug)")
-        page = heapq.heappop(self.free_pages)
-        if page > self._highest:
-            self._highest = page
+        pages = self.free_pages.take(n)
+        if pages and pages[-1] > self._highest:  # ascending: the last is the highest
+            self._highest = pages[-1]
             if self._will_use is not None:
-                self._will_use(page)
-        return page
+                self._will_use(self._highest)
+        return pages
 
-    def _write_rows(self, writes: list[tuple[int, int, int]]) -> None:
-        """page_table[row, index*page_size + o] = page*page_size + o for each (row, index, page)."""
+    def _write_rows(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        """page_table[rows[j], cols[j]*page_size + o] = pages[j]*page_size + o: page j of the list is page
+        cols[j] of table row rows[j]."""
         ps = self.page_size
-        rows = torch.tensor([w[0] for w in writes], dtype=torch.int64).repeat_interleave(ps)
-        cols = (
-            torch.tensor([w[1] for w in writes], dtype=torch.int64)[:, None] * ps + self._offsets
-        ).reshape(-1)
-        slots = (
-            torch.tensor([w[2] for w in writes], dtype=torch.int32)[:, None] * ps + self._offsets
-        ).reshape(-1)
+        row_t = torch.tensor(rows, dtype=torch.int64).repeat_interleave(ps)
+        col_t = (torch.tensor(cols, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
+        slot_t = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
         # one asynchronous copy: a decode step writes pages here every step, and a blocking copy would
         # stop the host until it lands
-        packed = to_device_async(torch.stack([rows, cols, slots.to(torch.int64)]), self.device)
+        packed = to_device_async(torch.stack([row_t, col_t, slot_t]), self.device)
         self.page_table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # ---- release ---------------------------------------------------------------------------
@@ -153,14 +162,7 @@ class CacheManager:
             self._release(pages)
 
     def _release(self, pages: list[int]) -> None:
-        """Pages back to the free heap."""
-        free = self.free_pages
-        if len(pages) > len(free):
-            free.extend(pages)
-            heapq.heapify(free)
-        else:
-            for page in pages:
-                heapq.heappush(free, page)
+        self.free_pages.give(pages)
 
     def cache_req(self, req: Req, finished: bool) -> None:
         """Hand the request's computed KV to the prefix cache; a finished request also gives up its row."""
@@ -189,8 +191,9 @@ class CacheManager:
         self.unlock(req.cache_handle)
         req.cache_handle = match.handle
         if duplicates:
+            n = known - row.shared
             self._write_rows(
-                [(req.table_idx, i, p) for i, p in enumerate(match.pages[:known]) if i >= row.shared]
+                [req.table_idx] * n, list(range(row.shared, known)), match.pages[row.shared : known]
             )
             self._free(duplicates)
         row.pages[:num] = match.pages

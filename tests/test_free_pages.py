@@ -1,0 +1,68 @@
+"""The free-page set hands out exactly what a min-heap would, page for page, and refuses double frees."""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+import torch
+
+from minisgl.core import Req, SamplingParams
+from minisgl.kvcache.base import MatchResult
+from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.free_pages import FreePages
+
+
+def test_takes_and_gives_in_the_order_of_a_min_heap() -> None:
+    rng = random.Random(0)
+    n = 500
+    pages, heap = FreePages(n), list(range(n))
+    held: list[int] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.45 or len(heap) == 0):
+            back = rng.sample(held, rng.randint(1, min(len(held), 40)))
+            for p in back:
+                held.remove(p)
+                heapq.heappush(heap, p)
+            pages.give(back)
+        else:
+            k = rng.randint(0, min(len(heap), 60))
+            want = [heapq.heappop(heap) for _ in range(k)]
+            assert pages.take(k) == want
+            held += want
+        assert len(pages) == len(heap)
+        assert list(pages) == sorted(heap)
+
+
+def test_a_page_freed_twice_is_refused_and_changes_nothing() -> None:
+    pages = FreePages(8)
+    taken = pages.take(3)
+    pages.give([taken[0]])
+    with pytest.raises(AssertionError, match="freed twice"):
+        pages.give([taken[1], taken[0]])
+    with pytest.raises(AssertionError, match="freed twice"):
+        pages.give([taken[2], taken[2]])
+    assert len(pages) == 6 and list(pages) == [0, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match="9 pages asked for, 6 free"):
+        pages.take(9)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_long_prompt_gets_its_pages_in_one_run_and_the_table_points_at_them(page_size: int) -> None:
+    table = torch.zeros(3, 64, dtype=torch.int32)
+    cm = CacheManager(64 // page_size, page_size, table, "radix")
+    reqs = []
+    for idx, n in enumerate([10, 23]):
+        req = Req(input_ids=list(range(n)), table_idx=idx, cached_len=0, output_len=1, uid=idx,
+                  sampling_params=SamplingParams(max_tokens=1), cache_handle=None, seed=0)  # fmt: skip
+        cm.attach_prefix(idx, MatchResult(None, [], 0))
+        reqs.append(req)
+    cm.allocate_paged(reqs)
+    first = -(-10 // page_size)
+    assert cm.rows[0].pages == list(range(first))
+    assert cm.rows[1].pages == list(range(first, first + -(-23 // page_size)))
+    for idx in range(len(reqs)):
+        slots = [p * page_size + o for p in cm.rows[idx].pages for o in range(page_size)]
+        assert table[idx, : len(slots)].tolist() == slots
+    cm.check_integrity()
