@@ -175,3 +175,23 @@ def test_which_steps_replay_a_graph() -> None:
     runner.pad_batch(batch)
     assert batch.padded_tokens == 16 and batch.size == 2 and batch.padded_size == MAX_REQS
     assert all(r.extend_len == 0 and r.table_idx == 99 for r in batch.padded_reqs[2:])
+
+
+def test_static_inputs_start_on_the_scratch_slot_and_take_a_steps_inputs() -> None:
+    """The graphs' input buffers: a capture binds the first n of each, a replay copies a step's into them
+    and leaves the rest as they were (padding tokens keep the scratch slot)."""
+    from minisgl.engine.graph import StaticInputs
+
+    inputs = StaticInputs(8, scratch=77, device=torch.device("cpu"))
+    assert inputs.out_loc.tolist() == [77] * 8
+    captured = Batch(reqs=[], phase="prefill")
+    inputs.bind(captured, 4)
+    step = Batch(reqs=[], phase="prefill")
+    step.input_ids = torch.tensor([5, 6, 7], dtype=torch.int32)
+    step.positions = torch.tensor([0, 1, 2])
+    step.out_loc = torch.tensor([10, 11, 12])
+    inputs.load(step, 3)
+    assert captured.input_ids.tolist() == [5, 6, 7, 0]
+    assert captured.positions.tolist() == [0, 1, 2, 0]
+    assert captured.out_loc.tolist() == [10, 11, 12, 77]
+    assert captured.input_ids.data_ptr() == inputs.input_ids.data_ptr()  # views, as a graph reads them

@@ -43,6 +43,43 @@ def capture_forward(
     return graph, out
 
 
+def dummy_req(table_idx: int, cached_len: int = 0) -> Req:
+    """A request of one token on the dummy row, which pads captured batches: with cached_len 0 a decode
+    step computes its token (into the scratch slot), with 1 a prefill step has nothing to compute for it."""
+    return Req(
+        input_ids=[0],
+        table_idx=table_idx,
+        cached_len=cached_len,
+        output_len=1,
+        uid=-1,
+        sampling_params=SamplingParams(max_tokens=1),
+        cache_handle=None,
+        seed=0,
+    )
+
+
+class StaticInputs:
+    """The device buffers a captured graph reads a step's token ids, positions and KV slots from; until a
+    step's are copied in, every slot is the scratch slot (the dummy row's), which no request reads."""
+
+    def __init__(self, n: int, scratch: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_loc = torch.full((n,), scratch, dtype=torch.int64, device=device)
+
+    def bind(self, batch: Batch, n: int) -> None:
+        """The capture's batch reads the first n of each buffer."""
+        batch.input_ids = self.input_ids[:n]
+        batch.positions = self.positions[:n]
+        batch.out_loc = self.out_loc[:n]
+
+    def load(self, batch: Batch, n: int) -> None:
+        """A replay's inputs copied in (device to device, on the current stream)."""
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_loc[:n].copy_(batch.out_loc)
+
+
 class GraphRunner:
     def __init__(
         self,
@@ -70,16 +107,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: object | None = None  # the captured graphs' memory pool
-        self.dummy_req = Req(
-            input_ids=[0],
-            table_idx=dummy_table_idx,
-            cached_len=0,
-            output_len=1,
-            uid=-1,
-            sampling_params=SamplingParams(max_tokens=1),
-            cache_handle=None,
-            seed=0,
-        )
+        self.dummy_req = dummy_req(dummy_table_idx)
 
     def can_use(self, batch: Batch) -> bool:
         return self.enabled and batch.is_decode and batch.padded_size in self.graphs
@@ -107,19 +135,14 @@ class GraphRunner:
             return
         start = time.perf_counter()
         max_bs = self.max_bs
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        ctx = get_global_ctx()
         # the dummy request's one token sits at position 0 of its row: the scratch slot
-        self.out_loc.fill_(int(ctx.page_table[self.dummy_table_idx, 0].item()))
+        scratch = int(get_global_ctx().page_table[self.dummy_table_idx, 0].item())
+        self.inputs = StaticInputs(max_bs, scratch, self.device)
         pool = None
         with torch.cuda.stream(stream):
             for bs in reversed(self.bs_list):
                 batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
-                batch.input_ids = self.input_ids[:bs]
-                batch.positions = self.positions[:bs]
-                batch.out_loc = self.out_loc[:bs]
+                self.inputs.bind(batch, bs)
                 self.attn_backend.prepare_for_capture(batch)
                 graph, self.logits[bs] = capture_forward(self.forward, batch, pool, stream)
                 pool = graph.pool()
@@ -133,9 +156,7 @@ class GraphRunner:
 
     def replay(self, batch: Batch) -> torch.Tensor:
         bs = batch.padded_size
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_loc[:bs].copy_(batch.out_loc)
+        self.inputs.load(batch, bs)
         self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.logits[bs]

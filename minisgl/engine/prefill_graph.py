@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
-from minisgl.engine.graph import capture_forward
+from minisgl.core import Batch, get_global_ctx
+from minisgl.engine.graph import StaticInputs, capture_forward, dummy_req
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -48,20 +48,6 @@ def default_token_counts(max_tokens: int) -> list[int]:
         counts.append(n)
         n = n * 2 if n < 256 else n + 256
     return sorted(set(counts) | {max_tokens}) if max_tokens > 0 else []
-
-
-def _empty_req(table_idx: int) -> Req:
-    # a request with nothing to compute this step: cached_len == device_len, so extend_len == 0
-    return Req(
-        input_ids=[0],
-        table_idx=table_idx,
-        cached_len=1,
-        output_len=1,
-        uid=-1,
-        sampling_params=SamplingParams(max_tokens=1),
-        cache_handle=None,
-        seed=0,
-    )
 
 
 class PrefillGraphRunner:
@@ -83,7 +69,7 @@ class PrefillGraphRunner:
         self.attn_backend = attn_backend
         self.forward = forward
         self.dummy_table_idx = dummy_table_idx
-        self.empty_req = _empty_req(dummy_table_idx)
+        self.empty_req = dummy_req(dummy_table_idx, cached_len=1)  # extend_len 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -121,19 +107,14 @@ class PrefillGraphRunner:
             return
         start = time.perf_counter()
         n = self.max_tokens
-        self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        ctx = get_global_ctx()
-        scratch = int(ctx.page_table[self.dummy_table_idx, 0].item())
-        self.out_loc = torch.full((n,), scratch, dtype=torch.int64, device=self.device)
+        scratch = int(get_global_ctx().page_table[self.dummy_table_idx, 0].item())
+        self.inputs = StaticInputs(n, scratch, self.device)
         self.last_indices = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
         with torch.cuda.stream(stream):
             for tokens in reversed(self.token_counts):
                 batch = Batch(reqs=[self.empty_req] * self.max_reqs, phase="prefill")
                 batch.padded_tokens = tokens
-                batch.input_ids = self.input_ids[:tokens]
-                batch.positions = self.positions[:tokens]
-                batch.out_loc = self.out_loc[:tokens]
+                self.inputs.bind(batch, tokens)
                 batch.last_indices = self.last_indices
                 self.attn_backend.prepare_for_prefill_capture(batch, tokens)
                 graph, self.logits[tokens] = capture_forward(self.forward, batch, pool, stream)
@@ -147,9 +128,7 @@ class PrefillGraphRunner:
 
     def replay(self, batch: Batch) -> torch.Tensor:
         n = batch.padded_tokens
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_loc[:n].copy_(batch.out_loc)
+        self.inputs.load(batch, n)
         self.last_indices.copy_(batch.last_indices)
         self.attn_backend.prepare_for_prefill_replay(batch)
         self.graphs[n].replay()
