@@ -98,6 +98,23 @@ def test_decode_attention_matches_reference(
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_longest_first_gives_the_batch_order_bits(num_splits: int) -> None:
+    # the order only says which program starts when; each request's output stays in its own row
+    lens, hq, hk, d = [5, 70, 1, 33, 70], 4, 2, 16
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=9 + num_splits)
+    q = torch.randn(len(lens), hq, d).to(DEVICE)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    assert attention.decode_order(lens) == [1, 4, 3, 0, 2]
+    order = torch.tensor(attention.decode_order(lens), dtype=torch.int32, device=DEVICE)
+    plain = decode_attention(q, k, v, table, rows, seq, num_splits, d**-0.5)
+    ordered = decode_attention(q, k, v, table, rows, seq, num_splits, d**-0.5, order=order)
+    assert torch.equal(plain, ordered)
+    ref = reference_attention(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens, [1] * len(lens))
+    assert rel_err(ordered.cpu(), ref) < 1e-5
+
+
 # the engine's choice for float32, then tiles of 16 with the keys below the diagonal loaded unmasked
 # (the cached prefix of 67 keys: 4 full tiles), the query blocks in both orders
 EXTEND_TILES = [
@@ -196,6 +213,22 @@ def test_rms_norm_with_and_without_residual_match_torch() -> None:
 def test_silu_and_mul_matches_torch() -> None:
     x = torch.randn(4, 2 * 40).to(DEVICE)
     assert rel_err(silu_and_mul(x).cpu(), torch_activation.silu_and_mul(x.cpu())) < 1e-6
+
+
+@pytest.mark.skipif(not CUDA, reason="the prefetch is PTX, which Triton's interpreter does not run")
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_norm_and_silu_give_the_same_bits_while_prefetching_a_weight(rows: int) -> None:
+    # the prefetch programs must leave the kernels' own outputs alone, whatever their count against the rows
+    g = torch.Generator().manual_seed(rows)
+    x, r = (torch.randn(rows, 1024, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    w = torch.randn(1024, generator=g).to(DEVICE, torch.bfloat16)
+    weight = torch.randn(3000, 1024, generator=g).to(DEVICE, torch.bfloat16)  # not a multiple of the programs
+    gate_up = torch.randn(rows, 2 * 1536, generator=g).to(DEVICE, torch.bfloat16)
+    assert torch.equal(rms_norm(x, w, 1e-6, weight), rms_norm(x, w, 1e-6))
+    y, res = rms_norm_residual(x, r, w, 1e-6, weight)
+    want_y, want_res = rms_norm_residual(x, r, w, 1e-6)
+    assert torch.equal(y, want_y) and torch.equal(res, want_res)
+    assert torch.equal(silu_and_mul(gate_up, weight), silu_and_mul(gate_up))
 
 
 def test_rotary_in_place_matches_torch() -> None:

@@ -3,6 +3,7 @@ one GPU, bf16 and FP8 pools, every figure from CUDA-graph replays.
 
     python benchmark/offline/decode_splits.py [--batches 16,32,64,128,256] [--json out.json]
     python benchmark/offline/decode_splits.py --sweep regs [--batches 64,128,256] [--json out.json]
+    python benchmark/offline/decode_splits.py --sweep order [--json out.json]
 
 The engine splits a request's context into `decode_splits(bs, kv_heads)` parts only while the batch's
 programs alone do not reach TARGET_PROGRAMS (about two an SM). With the workload's uneven contexts (a
@@ -15,6 +16,10 @@ in one CUDA graph so that the host's launch time is not in the figure, the merge
 which set how many programs an SM holds: on an FP8 pool the 128-key tile takes 177 registers uncapped, two
 programs of four warps an SM, 168 lets three fit, 128 four (with a few bytes of stack). Each
 configuration's output is compared with the engine's choice before it is timed.
+
+`--sweep order` times 1, 2 and 4 splits and the engine's count with the requests' programs in batch order
+and longest context first (`decode_order`, MINISGL_DECODE_LONGEST_FIRST); the ordered outputs must be
+the unordered ones bit for bit.
 """
 
 from __future__ import annotations
@@ -71,11 +76,37 @@ def sweep_regs(bs: int, fp8: bool, call: Any, ref: torch.Tensor, kv_bytes: int) 
     return rows
 
 
+def sweep_order(
+    bs: int,
+    fp8: bool,
+    chosen: int,
+    args: tuple[torch.Tensor, ...],
+    scales: tuple,
+    lens: list[int],
+    kv_bytes: int,
+) -> list[dict[str, Any]]:
+    order = torch.tensor(attn.decode_order(lens), dtype=torch.int32, device="cuda")
+    rows, line = [], []
+    d = args[0].shape[-1]
+    for splits in sorted({1, 2, 4, chosen}):
+        plain = partial(attn.decode_attention, *args, splits, d**-0.5, *scales)
+        ordered = partial(attn.decode_attention, *args, splits, d**-0.5, *scales, None, order)
+        if not torch.equal(plain(), ordered()):
+            raise SystemExit(f"bs={bs} fp8={fp8} splits={splits}: the ordered output differs")
+        us_plain, us_ordered = graph_us(plain), graph_us(ordered)
+        rows.append({"bs": bs, "fp8": fp8, "splits": splits, "chosen": splits == chosen, "us": us_plain,
+                     "us_ordered": us_ordered, "tb_s": kv_bytes / us_plain / 1e6,
+                     "tb_s_ordered": kv_bytes / us_ordered / 1e6})  # fmt: skip
+        line.append(f"{splits}{'*' if splits == chosen else ''}: {us_plain:.1f} -> {us_ordered:.1f}")
+    print(f"bs={bs} fp8={int(fp8)} us, batch order -> longest first: {'; '.join(line)}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="16,32,48,64,96,128,192,256")
     p.add_argument("--json")
-    p.add_argument("--sweep", choices=["splits", "regs"], default="splits")
+    p.add_argument("--sweep", choices=["splits", "regs", "order"], default="splits")
     args = p.parse_args()
     from decode_variants import clocks_up, kv_pools, scattered_batch
 
@@ -109,6 +140,11 @@ def main() -> None:
                 for r in found:
                     if r.get("rel_diff", 0) > 0.02 or "error" in r:
                         print("    BAD", r, flush=True)
+                continue
+            if args.sweep == "order":
+                results += sweep_order(
+                    bs, fp8, chosen, (q, k, v, table, rows, seq), pool_scales, lens, kv_bytes
+                )
                 continue
             line = []
             for splits in SPLITS:

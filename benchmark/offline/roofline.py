@@ -218,6 +218,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str, Any]:
     from minisgl import LLM, SamplingParams
+    from minisgl.kernel.attention import decode_order
 
     llm = LLM(
         model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056, kv_cache_dtype=kv
@@ -240,9 +241,13 @@ def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str,
             start += n
         be.graph_meta[0, :bs] = torch.arange(bs, dtype=torch.int32, device="cuda")
         be.graph_meta[1, :bs] = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        gr.input_ids[:bs] = torch.randint(0, mc.vocab_size, (bs,), device="cuda", dtype=torch.int32)
-        gr.positions[:bs] = torch.tensor(lens, device="cuda") - 1
-        gr.out_loc[:bs] = eng.page_table[torch.arange(bs, device="cuda"), gr.positions[:bs]].to(torch.int64)
+        if be.graph_meta.shape[0] == 3:  # graphs captured with MINISGL_DECODE_LONGEST_FIRST
+            be.graph_meta[2, :bs] = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda")
+        inputs = gr.inputs
+        inputs.input_ids[:bs] = torch.randint(0, mc.vocab_size, (bs,), device="cuda", dtype=torch.int32)
+        inputs.positions[:bs] = torch.tensor(lens, device="cuda") - 1
+        at = (torch.arange(bs, device="cuda"), inputs.positions[:bs])
+        inputs.out_loc[:bs] = eng.page_table[at].to(torch.int64)
         with torch.cuda.stream(eng.stream):
             step_ms = bench_ms(gr.graphs[bs].replay, iters=30)
         kv = sum(lens) * per_token_kv

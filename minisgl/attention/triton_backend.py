@@ -16,7 +16,7 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, DecodeRope, KVDestination
 from minisgl.core import Batch
 from minisgl.env import ENV
-from minisgl.kernel.attention import decode_attention, decode_splits, extend_attention
+from minisgl.kernel.attention import decode_attention, decode_order, decode_splits, extend_attention
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.utils.torch_utils import pin
@@ -24,13 +24,14 @@ from minisgl.utils.torch_utils import pin
 
 @dataclass
 class TritonAttnMetadata:
-    packed: torch.Tensor  # [2, B] (decode) or [4, B] (prefill) int32: the rows below, in one tensor
+    packed: torch.Tensor  # [2 or 3, B] (decode) or [4, B] (prefill) int32: the rows below, in one tensor
     rows: torch.Tensor  # [B] page-table row of each request
     seq_lens: torch.Tensor  # [B] context length after this step (device_len)
     q_starts: torch.Tensor | None = None  # [B] prefill: packed index of each request's first query
     q_lens: torch.Tensor | None = None  # [B] prefill: queries of each request this step
     max_q_len: int = 1
     num_splits: int = 1  # decode: splits along the sequence
+    order: torch.Tensor | None = None  # [B] decode, MINISGL_DECODE_LONGEST_FIRST: the programs' order
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -45,7 +46,9 @@ class TritonAttnBackend(BaseAttnBackend):
             (kv_cache.k_cache(i), kv_cache.v_cache(i), *kv_cache.scales(i))
             for i in range(kv_cache.num_layers)
         ]
-        self.graph_meta: torch.Tensor | None = None  # [2, max_bs] static decode metadata of the graphs
+        # read once, so that the graphs and every step's metadata agree on it
+        self.ordered = bool(ENV.DECODE_LONGEST_FIRST.value)
+        self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -56,10 +59,17 @@ class TritonAttnBackend(BaseAttnBackend):
         # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
         pad = [0] * (-len(reqs) % 4)
         if batch.is_decode:
-            host = torch.tensor([rows + pad, lens + pad], dtype=torch.int32, pin_memory=pin(self.device))
+            table = [rows + pad, lens + pad]
+            if self.ordered:
+                table.append(decode_order(lens) + pad)
+            host = torch.tensor(table, dtype=torch.int32, pin_memory=pin(self.device))
             packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
             batch.attn_metadata = TritonAttnMetadata(
-                packed, packed[0], packed[1], num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads)
+                packed,
+                packed[0],
+                packed[1],
+                order=packed[2] if len(table) == 3 else None,
+                num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads),
             )
             return
         q_lens = [r.extend_len for r in reqs]
@@ -107,6 +117,7 @@ class TritonAttnBackend(BaseAttnBackend):
             k_scale,
             v_scale,
             rope,
+            meta.order,
         )
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
@@ -152,15 +163,18 @@ class TritonAttnBackend(BaseAttnBackend):
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
-        self.graph_meta = torch.zeros((2, max(bs_list)), dtype=torch.int32, device=self.device)
+        # rows, lengths and (when the graphs are captured ordered) the programs' order
+        rows = 3 if self.ordered else 2
+        self.graph_meta = torch.zeros((rows, max(bs_list)), dtype=torch.int32, device=self.device)
 
     def _static_metadata(self, bs: int) -> TritonAttnMetadata:
         assert self.graph_meta is not None, "init_capture_graph comes first"
-        packed = self.graph_meta[:, :bs]
+        meta = self.graph_meta
         return TritonAttnMetadata(
-            packed,
-            self.graph_meta[0, :bs],
-            self.graph_meta[1, :bs],
+            meta[:, :bs],
+            meta[0, :bs],
+            meta[1, :bs],
+            order=meta[2, :bs] if meta.shape[0] == 3 else None,
             num_splits=decode_splits(bs, self.kv_cache.num_kv_heads),
         )
 
@@ -170,6 +184,8 @@ class TritonAttnBackend(BaseAttnBackend):
         # the dummy request's row and length: the warm-up run before capture reads real values
         self.graph_meta[0, :bs] = batch.padded_reqs[0].table_idx
         self.graph_meta[1, :bs] = batch.padded_reqs[0].device_len
+        if self.graph_meta.shape[0] == 3:
+            self.graph_meta[2, :bs] = torch.arange(bs, dtype=torch.int32, device=self.device)
         batch.attn_metadata = self._static_metadata(bs)
 
     def prepare_for_replay(self, batch: Batch) -> None:

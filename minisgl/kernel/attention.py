@@ -167,6 +167,7 @@ def _decode_kernel(
     PageTable,
     Rows,
     SeqLens,
+    Order,
     KScale,
     VScale,
     stride_qt,
@@ -205,10 +206,13 @@ def _decode_kernel(
     ROPE: tl.constexpr,
     NORM: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
     b = tl.program_id(1)
+    if ORDERED:  # the requests longest first: the last programs to start are the shortest
+        b = tl.load(Order + b)
     s = tl.program_id(2)
     row = tl.load(Rows + b).to(tl.int64)
     seq_len = tl.load(SeqLens + b)
@@ -339,6 +343,11 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
+def decode_order(seq_lens: list[int]) -> list[int]:
+    """The batch's indices by context length, longest first (ties in batch order): `decode_attention`'s order."""
+    return sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+
+
 def decode_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits along the sequence: enough programs to fill the GPU when the batch alone does not."""
     want = div_ceil(TARGET_PROGRAMS, max(1, batch_size * num_kv_heads))
@@ -357,8 +366,13 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request. q: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows, seq_lens: [B] -> [B, Hq, D].
+
+    `order` ([B] int32, a permutation of the batch) is the order in which the requests' programs start:
+    longest context first (`decode_order`), so that on uneven contexts the last wave holds short
+    programs, not a long one that starts late.
 
     An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
     tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
@@ -398,6 +412,7 @@ def decode_attention(
         page_table,
         rows,
         seq_lens,
+        order if order is not None else seq_lens,
         k_scale if fp8 else seq_lens,
         v_scale if fp8 else seq_lens,
         q.stride(0),
@@ -437,6 +452,7 @@ def decode_attention(
         ROPE=rope is not None,
         NORM=norm,
         FP8_LIMIT=FP8_MAX,
+        ORDERED=order is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
