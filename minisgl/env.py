@@ -111,17 +111,12 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
-        self.L2_PREFETCH = EnvVar(
-            "MINISGL_L2_PREFETCH",
-            False,
-            "on CUDA, the RMSNorm and SiLU kernels of a decode step ask the next GEMM's weight into L2 from extra "
-            "programs (kernel/prefetch.py), so the GEMM does not start on DRAM's latency; 0: off",
-        )
         self.DECODE_LONGEST_FIRST = EnvVar(
             "MINISGL_DECODE_LONGEST_FIRST",
-            False,
-            "the Triton decode attention starts its programs longest context first (kernel/attention.py's "
-            "decode_order), so that on uneven contexts the last wave is short; 0: in batch order",
+            32,
+            "in decode batches of at least this many rows, the Triton decode attention starts its programs "
+            "longest context first (kernel/attention.py's decode_order), so that on uneven contexts the last "
+            "wave is short (faster from 32 rows on an H200, slower at 16; docs/benchmarks.md); 0: never",
         )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",

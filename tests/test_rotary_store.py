@@ -156,12 +156,12 @@ def test_engine_with_decode_programs_longest_first_gives_the_greedy_tokens_of_tr
     tiny_model, hf_reference, make_llm, monkeypatch
 ) -> None:
     monkeypatch.setattr(ENV.KERNELS, "value", "triton")
-    monkeypatch.setattr(ENV.DECODE_LONGEST_FIRST, "value", True)
+    monkeypatch.setattr(ENV.DECODE_LONGEST_FIRST, "value", 1)  # every batch
     folder = tiny_model("qwen3")
     # prompts of different lengths: the order differs from the batch's
     prompts = [p[:n] for p, n in zip(random_prompts(3, seed=6, max_len=24), (5, 24, 11))]
     llm = make_llm(folder, page_size=1, max_running_req=4, device=DEVICE.type)
-    assert isinstance(llm.engine.attn_backend, TritonAttnBackend) and llm.engine.attn_backend.ordered
+    assert isinstance(llm.engine.attn_backend, TritonAttnBackend) and llm.engine.attn_backend.ordered(1)
     out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
 

@@ -47,7 +47,7 @@ class TritonAttnBackend(BaseAttnBackend):
             for i in range(kv_cache.num_layers)
         ]
         # read once, so that the graphs and every step's metadata agree on it
-        self.ordered = bool(ENV.DECODE_LONGEST_FIRST.value)
+        self.order_from = int(ENV.DECODE_LONGEST_FIRST.value)
         self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
@@ -60,7 +60,7 @@ class TritonAttnBackend(BaseAttnBackend):
         pad = [0] * (-len(reqs) % 4)
         if batch.is_decode:
             table = [rows + pad, lens + pad]
-            if self.ordered:
+            if self.ordered(len(reqs)):
                 table.append(decode_order(lens) + pad)
             host = torch.tensor(table, dtype=torch.int32, pin_memory=pin(self.device))
             packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
@@ -86,6 +86,10 @@ class TritonAttnBackend(BaseAttnBackend):
         batch.attn_metadata = TritonAttnMetadata(
             packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
         )
+
+    def ordered(self, batch_size: int) -> bool:
+        """Whether a decode batch of this size starts its programs longest context first."""
+        return 0 < self.order_from <= batch_size
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
         if not (batch.is_decode and batch.size <= ENV.FUSED_DECODE_ROPE.value) or ENV.SEPARATE_KV_STORE.value:
@@ -164,7 +168,7 @@ class TritonAttnBackend(BaseAttnBackend):
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         # rows, lengths and (when the graphs are captured ordered) the programs' order
-        rows = 3 if self.ordered else 2
+        rows = 3 if self.order_from > 0 else 2
         self.graph_meta = torch.zeros((rows, max(bs_list)), dtype=torch.int32, device=self.device)
 
     def _static_metadata(self, bs: int) -> TritonAttnMetadata:
@@ -174,7 +178,7 @@ class TritonAttnBackend(BaseAttnBackend):
             meta[:, :bs],
             meta[0, :bs],
             meta[1, :bs],
-            order=meta[2, :bs] if meta.shape[0] == 3 else None,
+            order=meta[2, :bs] if self.ordered(bs) else None,
             num_splits=decode_splits(bs, self.kv_cache.num_kv_heads),
         )
 
@@ -191,7 +195,8 @@ class TritonAttnBackend(BaseAttnBackend):
     def prepare_for_replay(self, batch: Batch) -> None:
         assert self.graph_meta is not None, "init_capture_graph comes first"
         meta: TritonAttnMetadata = batch.attn_metadata
-        self.graph_meta[:, : batch.padded_size].copy_(meta.packed)
+        # the order's row only where the batch's size is ordered (the graph of that size reads it)
+        self.graph_meta[: meta.packed.shape[0], : batch.padded_size].copy_(meta.packed)
 
     # ---- prefill graphs: rows, context lengths, query starts and counts of max_reqs requests -------
     def init_prefill_capture(self, max_reqs: int) -> None:

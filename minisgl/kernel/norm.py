@@ -1,7 +1,4 @@
-"""RMSNorm in one pass, with the residual add folded in: the torch version takes about ten launches.
-
-With `prefetch` (a weight), programs beyond the norm's own ask that weight into L2 for the GEMM that
-reads the norm's output next (kernel/prefetch.py)."""
+"""RMSNorm in one pass, with the residual add folded in: the torch version takes about ten launches."""
 
 from __future__ import annotations
 
@@ -10,13 +7,11 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
-from minisgl.kernel.prefetch import BLOCK as PREFETCH_BLOCK
-from minisgl.kernel.prefetch import as_bytes, prefetch_part, prefetch_programs
 from minisgl.utils.misc import div_ceil, next_pow2
 
 
 @direct_launch
-@triton.jit(do_not_specialize=["n_rows", "p_bytes", "norm_programs"])  # one kernel for every token count
+@triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for every token count
 def _rms_norm_kernel(
     X,
     R,
@@ -31,87 +26,13 @@ def _rms_norm_kernel(
     stride_y,
     stride_ro,
     eps,
-    P,
-    p_bytes,
-    norm_programs,
-    N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    P_BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if PREFETCH:
-        if pid >= norm_programs:
-            prefetch_part(P, p_bytes, pid - norm_programs, tl.num_programs(0) - norm_programs, P_BLOCK)
-        else:
-            _rms_norm_rows(
-                X,
-                R,
-                Y,
-                ROut,
-                W,
-                pid,
-                n_rows,
-                n_inner,
-                stride_xo,
-                stride_xi,
-                stride_r,
-                stride_y,
-                stride_ro,
-                eps,
-                N,
-                BLOCK_N,
-                ROWS,
-                HAS_RES,
-            )
-    else:
-        _rms_norm_rows(
-            X,
-            R,
-            Y,
-            ROut,
-            W,
-            pid,
-            n_rows,
-            n_inner,
-            stride_xo,
-            stride_xi,
-            stride_r,
-            stride_y,
-            stride_ro,
-            eps,
-            N,
-            BLOCK_N,
-            ROWS,
-            HAS_RES,
-        )
-
-
-@triton.jit
-def _rms_norm_rows(
-    X,
-    R,
-    Y,
-    ROut,
-    W,
-    pid,
-    n_rows,
-    n_inner,
-    stride_xo,
-    stride_xi,
-    stride_r,
-    stride_y,
-    stride_ro,
-    eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RES: tl.constexpr,
 ):
     # row r of the [n_rows, N] view is x[r // n_inner, r % n_inner]: q/k heads are read in place from qkv
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     mask = rmask[:, None] & (cols[None, :] < N)
@@ -130,11 +51,7 @@ def _rms_norm_rows(
 
 
 def _launch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
     if x.stride(-1) != 1:
@@ -151,12 +68,7 @@ def _launch(
     res_out = torch.empty_like(y) if residual is not None else y
     block_n = next_pow2(n)
     rows = max(1, min(16, 2048 // block_n))
-    programs = div_ceil(n_rows, rows)
-    extra, p_bytes, p = 0, 0, x
-    if prefetch is not None and n_rows > 0:
-        extra, p = prefetch_programs(x.device.index or 0), as_bytes(prefetch)
-        p_bytes = p.numel()
-    _rms_norm_kernel[(programs + extra,)](
+    _rms_norm_kernel[(div_ceil(n_rows, rows),)](
         x,
         residual if residual is not None else x,
         y,
@@ -170,37 +82,25 @@ def _launch(
         n,
         n,
         eps,
-        p,
-        p_bytes,
-        programs,
         N=n,
         BLOCK_N=block_n,
         ROWS=rows,
         HAS_RES=residual is not None,
-        PREFETCH=extra > 0,
-        P_BLOCK=PREFETCH_BLOCK,
         num_warps=4 if block_n <= 1024 else 8,
     )
     return y, res_out
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None
-) -> torch.Tensor:
-    """RMSNorm over the last dim of a [..., N] tensor (a strided [T, H, D] view is read in place);
-    `prefetch`: a CUDA weight to ask into L2 for the next GEMM."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of a [..., N] tensor (a strided [T, H, D] view is read in place)."""
     shape = x.shape
-    y, _ = _launch(x, None, weight, eps, prefetch)
+    y, _ = _launch(x, None, weight, eps)
     return y.view(shape)
 
 
 def rms_norm_residual(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) for [T, N] tensors, in one pass."""
     residual = residual.contiguous()
-    return _launch(x.contiguous(), residual, weight, eps, prefetch)
+    return _launch(x.contiguous(), residual, weight, eps)

@@ -50,25 +50,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# the L2 prefetch (kernel/prefetch.py) hides a GEMM's ramp, which only decode steps' few rows leave
-# exposed; a weight of more than a fraction of L2 (50 MB on an H200) would push its own first lines out
-PREFETCH_MAX_ROWS = 256
-PREFETCH_MAX_BYTES = 32 << 20
-
-
-def l2_prefetch(layer: nn.Module | None, x: torch.Tensor) -> torch.Tensor | None:
-    """The float weight of `layer` that the kernel before it should ask into L2 (MINISGL_L2_PREFETCH), or
-    None: off, not CUDA, too many rows in `x`, a packed or quantized weight, or a weight too large."""
-    if layer is None or not x.is_cuda or not ENV.L2_PREFETCH.value:
-        return None
-    weight = getattr(layer, "weight", None)
-    if not isinstance(weight, torch.Tensor) or getattr(layer, "qweight", None) is not None:
-        return None
-    if x.numel() > PREFETCH_MAX_ROWS * x.shape[-1] or not weight.is_contiguous():
-        return None
-    return weight if weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES else None
-
-
 def onednn_packing_supported() -> bool:
     """Whether this torch and CPU can hold bf16 weights in oneDNN's blocked layout (`pack_onednn`)."""
     mkldnn = torch.ops.mkldnn

@@ -9,14 +9,11 @@ from minisgl.kernel import cpu as cpu_kernels
 from minisgl.kernel import use_triton
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`prefetch`: the next GEMM's weight, asked into L2 by the Triton kernel (layers.linear.l2_prefetch)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         from minisgl.kernel.norm import rms_norm as fused
 
-        return fused(x, weight, eps, prefetch)
+        return fused(x, weight, eps)
     lib = cpu_kernels.elementwise_lib(x)
     if lib is not None and weight.dtype == x.dtype:
         return cpu_kernels.rms_norm_bf16(lib, x, None, weight, eps)[0]
@@ -33,17 +30,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, prefetch)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None, prefetch: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns norm(x + residual) and the new residual x + residual."""
         if residual is not None and use_triton(x):
             from minisgl.kernel.norm import rms_norm_residual
 
-            return rms_norm_residual(x, residual, self.weight, self.eps, prefetch)
+            return rms_norm_residual(x, residual, self.weight, self.eps)
         lib = cpu_kernels.elementwise_lib(x)
         # mixed dtypes promote in torch; the kernel reads bf16 only
         same = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
@@ -51,4 +48,4 @@ class RMSNorm(nn.Module):
             return cpu_kernels.rms_norm_bf16(lib, x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
-        return rms_norm(x, self.weight, self.eps, prefetch), x
+        return rms_norm(x, self.weight, self.eps), x

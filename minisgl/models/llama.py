@@ -12,7 +12,7 @@ from minisgl.kernel import use_triton
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel, l2_prefetch
+from minisgl.layers.linear import LinearColParallelMerged, LinearRowParallel
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
@@ -29,7 +29,7 @@ class GatedMLP(nn.Module):
         self.down_proj = LinearRowParallel(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), l2_prefetch(self.down_proj, x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -43,14 +43,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm asks the weight of the GEMM after it into L2 (where l2_prefetch says it pays)
-        x, residual = self.input_layernorm.forward_with_residual(
-            x, residual, l2_prefetch(self.self_attn.qkv_proj, x)
-        )
+        x, residual = self.input_layernorm.forward_with_residual(x, residual)
         x = self.self_attn(x, positions)
-        x, residual = self.post_attention_layernorm.forward_with_residual(
-            x, residual, l2_prefetch(getattr(self.mlp, "gate_up_proj", None), x)
-        )
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp(x), residual
 
 
