@@ -14,8 +14,9 @@ in one CUDA graph so that the host's launch time is not in the figure, the merge
 
 `--sweep regs` times tiles with the registers a thread capped (ptxas's .maxnreg, DecodeConfig.maxnreg),
 which set how many programs an SM holds: on an FP8 pool the 128-key tile takes 177 registers uncapped, two
-programs of four warps an SM, 168 lets three fit, 128 four (with a few bytes of stack). Each
-configuration's output is compared with the engine's choice before it is timed.
+programs of four warps an SM, 168 lets three fit, 128 four (with a few bytes of stack). The programs start
+in the engine's order (longest first from MINISGL_DECODE_LONGEST_FIRST rows). Each configuration's output is
+compared with the engine's choice before it is timed.
 
 `--sweep order` times 1, 2 and 4 splits and the engine's count with the requests' programs in batch order
 and longest context first (`decode_order`, MINISGL_DECODE_LONGEST_FIRST); the ordered outputs must be
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from minisgl.env import ENV  # noqa: E402
 from minisgl.kernel import attention as attn  # noqa: E402
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -107,6 +109,7 @@ def main() -> None:
     p.add_argument("--batches", default="16,32,48,64,96,128,192,256")
     p.add_argument("--json")
     p.add_argument("--sweep", choices=["splits", "regs", "order"], default="splits")
+    p.add_argument("--kv", choices=["both", "bf16", "fp8"], default="both", help="the pools to time")
     args = p.parse_args()
     from decode_variants import clocks_up, kv_pools, scattered_batch
 
@@ -120,15 +123,30 @@ def main() -> None:
         lens, table, rows, seq = scattered_batch(bs)
         total = sum(lens)
         q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device="cuda")
-        for fp8 in (False, True):
+        for fp8 in {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.kv]:
             k, v, scales = kv_pools(total + 64, hk, d, fp8)
             pool_scales = scales if fp8 else (None, None)
             kv_bytes = 2 * total * hk * d * k.element_size()
             chosen = attn.decode_splits(bs, hk)
             ref = attn.decode_attention(q, k, v, table, rows, seq, 1, d**-0.5, *pool_scales).float()
             if args.sweep == "regs":
+                # started longest first where the engine orders the batch
+                order = None
+                if 0 < int(ENV.DECODE_LONGEST_FIRST.value) <= bs:
+                    order = torch.tensor(attn.decode_order(lens), dtype=torch.int32, device="cuda")
                 call = partial(
-                    attn.decode_attention, q, k, v, table, rows, seq, chosen, d**-0.5, *pool_scales
+                    attn.decode_attention,
+                    q,
+                    k,
+                    v,
+                    table,
+                    rows,
+                    seq,
+                    chosen,
+                    d**-0.5,
+                    *pool_scales,
+                    None,
+                    order,
                 )
                 engine = {"bs": bs, "fp8": fp8, "config": "engine", "us": graph_us(call)}
                 found = sweep_regs(bs, fp8, call, ref, kv_bytes)
