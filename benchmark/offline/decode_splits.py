@@ -132,7 +132,7 @@ def main() -> None:
             if args.sweep == "regs":
                 # started longest first where the engine orders the batch
                 order = None
-                if 0 < int(ENV.DECODE_LONGEST_FIRST.value) <= bs:
+                if attn.ordered_from(bs, int(ENV.DECODE_LONGEST_FIRST.value)):
                     order = torch.tensor(attn.decode_order(lens), dtype=torch.int32, device="cuda")
                 call = partial(
                     attn.decode_attention,

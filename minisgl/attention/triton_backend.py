@@ -16,7 +16,13 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, DecodeRope, KVDestination
 from minisgl.core import Batch
 from minisgl.env import ENV
-from minisgl.kernel.attention import decode_attention, decode_order, decode_splits, extend_attention
+from minisgl.kernel.attention import (
+    decode_attention,
+    decode_order,
+    decode_splits,
+    extend_attention,
+    ordered_from,
+)
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.utils.torch_utils import pin
@@ -89,7 +95,7 @@ class TritonAttnBackend(BaseAttnBackend):
 
     def ordered(self, batch_size: int) -> bool:
         """Whether a decode batch of this size starts its programs longest context first."""
-        return 0 < self.order_from <= batch_size
+        return ordered_from(batch_size, self.order_from)
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
         if not (batch.is_decode and batch.size <= ENV.FUSED_DECODE_ROPE.value) or ENV.SEPARATE_KV_STORE.value:
@@ -188,7 +194,7 @@ class TritonAttnBackend(BaseAttnBackend):
         # the dummy request's row and length: the warm-up run before capture reads real values
         self.graph_meta[0, :bs] = batch.padded_reqs[0].table_idx
         self.graph_meta[1, :bs] = batch.padded_reqs[0].device_len
-        if self.graph_meta.shape[0] == 3:
+        if self.order_from > 0:
             self.graph_meta[2, :bs] = torch.arange(bs, dtype=torch.int32, device=self.device)
         batch.attn_metadata = self._static_metadata(bs)
 
