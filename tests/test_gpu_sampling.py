@@ -4,7 +4,8 @@
   torch's sync debug mode turns any into an error during the steady-state decode steps.
 - Seeded tokens do not depend on CUDA graphs or on the overlap loop.
 - After `LLM(...)` returns, a workload of every sampling mode, many prompt lengths and batch sizes
-  compiles no Triton kernel: the warm-up (engine/warmup.py) compiled every variant it reaches.
+  compiles no Triton kernel: the warm-up (engine/warmup.py) compiled every variant it reaches. So do
+  decode batches of every size that run eagerly: without graphs, or above the largest graph.
 """
 
 from __future__ import annotations
@@ -191,4 +192,26 @@ def test_a_workload_after_start_up_compiles_no_triton_kernel(
         # a shared prefix: extend steps over a cached prefix
         llm.generate([prompts[-1] + [3, 4], prompts[-1] + [5]], SamplingParams(max_tokens=3))
     assert names == [] and compiled_variants() == compiled, f"compiled after start-up: {names}"
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("graphs_max_bs", [0, 8])
+def test_eager_decode_batches_after_start_up_compile_no_triton_kernel(
+    graphs_max_bs: int, tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], overlap_on: None
+) -> None:
+    # bf16, as a served model runs; 40 rows cross the longest-first order (32) and many split counts
+    llm = make_llm(
+        tiny_model("qwen3"),
+        device="cuda",
+        dtype=torch.bfloat16,
+        max_running_req=40,
+        max_extend_tokens=2048,
+        cuda_graph_max_bs=graphs_max_bs,
+    )
+    prompts = random_prompts(40, seed=5, min_len=3, max_len=40)
+    with compilations() as names:
+        # one prefill of the 40, then decode batches of 39, 38, ..., 1 rows as the requests finish
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=1 + i, ignore_eos=True) for i in range(40)])
+    assert names == [], f"compiled after start-up: {names}"
+    assert [len(o["token_ids"]) for o in outs] == [1 + i for i in range(40)]
     llm.check_integrity()

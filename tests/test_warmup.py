@@ -7,14 +7,19 @@ same steps run on the torch kernels, to check what it builds and what it clears.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny import random_prompts
 
+from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import SamplingParams
+from minisgl.engine import warmup
 from minisgl.engine.engine import ForwardOutput
 from minisgl.engine.prepare import ForwardInput
 from minisgl.engine.warmup import MIXED, warm_up
+from minisgl.kernel.attention import ordered_from
 from minisgl.llm import LLM
 
 
@@ -39,12 +44,50 @@ def test_the_warm_up_runs_every_sampling_mode_and_leaves_no_trace(
 
     with monkeypatch.context() as m:
         m.setattr(engine, "forward_batch", record)
+        # as on CUDA without graphs: eager decode steps of the sizes that pick the kernels' variants
+        m.setattr(warmup, "_eager_decode_sizes", lambda engine: [3, 8])
         warm_up(engine)
-    # a one-token prefill, the MoE block heights, the sampling modes, and an eager decode step
+    # a one-token prefill, the MoE block heights, the sampling modes, an eager decode step, then one
+    # prefill and decode of one-token requests for each size
     assert steps[0] == ("prefill", 1, 1)
-    assert ("prefill", len(MIXED), 40) in steps and steps[-1] == ("decode", len(MIXED), len(MIXED))
+    assert ("prefill", len(MIXED), 40) in steps and ("decode", len(MIXED), len(MIXED)) in steps
+    assert steps[-4:] == [("prefill", 3, 3), ("decode", 3, 3), ("prefill", 8, 8), ("decode", 8, 8)]
     assert len(steps) >= 6
     rows = engine.config.max_running_req
     assert not engine.page_table[:rows].any() and not engine.token_pool[:rows].any()
     llm.check_integrity()
     assert [o["token_ids"] for o in llm.generate(prompts, params)] == before
+
+
+def fake_engine(max_running_req: int, graphs_max_bs: int, kv_heads: int) -> SimpleNamespace:
+    """What _eager_decode_sizes reads of a CUDA engine with the Triton backend (no GPU needed)."""
+    backend = SimpleNamespace(kv_cache=SimpleNamespace(num_kv_heads=kv_heads))
+    backend.ordered = lambda bs: ordered_from(bs, 32)
+    backend.decode_variant = lambda bs: TritonAttnBackend.decode_variant(backend, bs)  # type: ignore[arg-type]
+    return SimpleNamespace(
+        device=torch.device("cuda"),
+        graph_runner=SimpleNamespace(enabled=graphs_max_bs > 0, max_bs=graphs_max_bs),
+        config=SimpleNamespace(max_running_req=max_running_req),
+        attn_backend=backend,
+    )
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_eager_decode_sizes_cover_every_variant_of_the_eager_batches(kv_heads: int) -> None:
+    sizes = warmup._eager_decode_sizes(fake_engine(256, 0, kv_heads))  # type: ignore[arg-type]
+    variant = fake_engine(256, 0, kv_heads).attn_backend.decode_variant
+    # without graphs every size runs eagerly: each size's variant is one a warmed size has
+    assert {variant(bs) for bs in range(1, 257)} == {variant(bs) for bs in sizes}
+    assert len(set(map(variant, sizes))) >= len(sizes) - 2  # one a variant, and 1 and 16 rows
+    assert 1 in sizes and 16 in sizes and 32 in sizes  # one row, the GEMM's 16, the order from 32
+    if kv_heads == 8:
+        assert 128 in sizes  # wide tiles from 1,024 programs
+    # graphs up to 64 rows: only the larger batches run eagerly
+    above = warmup._eager_decode_sizes(fake_engine(256, 64, kv_heads))  # type: ignore[arg-type]
+    assert above and min(above) == 65
+    assert {variant(bs) for bs in range(65, 257)} == {variant(bs) for bs in above}
+    # graphs for every batch the scheduler forms: nothing runs eagerly
+    assert warmup._eager_decode_sizes(fake_engine(256, 256, kv_heads)) == []  # type: ignore[arg-type]
+    cpu = fake_engine(256, 0, kv_heads)
+    cpu.device = torch.device("cpu")
+    assert warmup._eager_decode_sizes(cpu) == []  # type: ignore[arg-type]

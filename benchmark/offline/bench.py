@@ -99,6 +99,7 @@ def run_minisgl(
         cache_type="naive",  # random prompts share nothing; the benchmark measures the engine, not the cache
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     print(f"LLM() ready in {time.perf_counter() - start:.1f} s (start-up, warm-up included)", flush=True)
     params = [
@@ -193,6 +194,13 @@ def main() -> None:
         metavar="KEYS,WARPS,STAGES,EVEN[,MAXNREG]",
         help="GPU: force one decode-attention tile configuration for every batch (e.g. 128,4,3,1; a fifth "
         "number caps the kernel's registers a thread, 0: the compiler's choice)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPU: decode graphs up to N rows (0: none, larger batches eager; default: the engine's)",
     )
     p.add_argument(
         "--decode-programs",

@@ -53,8 +53,10 @@ def graph_ms(fn: Callable[[], None], replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configs_around(m: int, n: int, k: int, sms: int) -> list[gemm.GemmConfig]:
+def configs_around(m: int, n: int, k: int, sms: int, large: bool = False) -> list[gemm.GemmConfig]:
     base = gemm.choose_config(m, n, k, sms)
+    if large:
+        return configs_large(m, base)
     if m > gemm.MAX_ROWS:
         return configs_wide(m, base)
     out = {base}
@@ -85,6 +87,21 @@ def configs_wide(m: int, base: gemm.GemmConfig) -> list[gemm.GemmConfig]:
     return sorted(out, key=lambda c: (c != base, c.block_m, c.block_n, c.block_k, c.split, c.num_warps))
 
 
+def configs_large(m: int, base: gemm.GemmConfig) -> list[gemm.GemmConfig]:
+    """Tiles for products whose FLOPs bound them (a large model's 128-256 rows): 128 or 256 rows (one
+    row block where it covers the batch, so each weight tile is read once), 128 or 256 columns, K blocks
+    of 64 (128 for the smaller tile), 1, 2 or 4 splits, 8 warps, 3 or 4 stages."""
+    out = {base}
+    tiles = [(128, 128, 64), (128, 128, 128), (128, 256, 64)]
+    if m > 128:
+        tiles.append((256, 128, 64))
+    for bm, bn, bk in tiles:
+        for split in (1, 2, 4):
+            for stages in (3, 4):
+                out.add(gemm.GemmConfig(bm, bn, bk, split, 8, stages))
+    return sorted(out, key=lambda c: (c != base, c.block_m, c.block_n, c.block_k, c.split, c.num_stages))
+
+
 def step(
     weights: list[torch.Tensor], xs: dict[int, torch.Tensor], config: gemm.GemmConfig | None, cublas: bool
 ) -> Callable[[], None]:
@@ -104,6 +121,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--sweep", default="", help="rows at which to time configurations around the chosen one")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--large", action="store_true", help="sweep the tiles of FLOP-bound products (configs_large) instead"
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -160,8 +180,14 @@ def main() -> None:
                         continue
                     ws = [layer[i] for layer in weights]
                     timed = {"cublas": graph_ms(step(ws, xs, None, cublas=True)) / layers * 1e3}
-                    for c in configs_around(m, n, k, sms):
+                    ref = F.linear(xs[k], ws[0]).float()
+                    for c in configs_around(m, n, k, sms, args.large):
                         try:
+                            err = (
+                                gemm.skinny_matmul(xs[k], ws[0], c).float() - ref
+                            ).abs().max() / ref.abs().max()
+                            if err.item() > 1e-2:
+                                raise SystemExit(f"{name} M={m} {n}x{k} {c}: relative error {err.item():.3g}")
                             us = graph_ms(step(ws, xs, c, cublas=False)) / layers * 1e3
                         except triton.runtime.errors.OutOfResources:
                             continue  # tiles x stages past the shared memory
@@ -171,7 +197,8 @@ def main() -> None:
                     per_shape[f"{n}x{k}"] = {"us": timed, "best": best, "chosen": chosen}
                     print(
                         f"    {n}x{k}: cuBLAS {timed['cublas']:.1f} us, chosen {chosen} {timed[chosen]:.1f} us,"
-                        f" best {best} {timed[best]:.1f} us",
+                        f" best {best} {timed[best]:.1f} us; next "
+                        + ", ".join(f"{key} {timed[key]:.1f}" for key in sorted(timed, key=timed.get)[1:4]),
                         flush=True,
                     )
                 entry["sweep"] = per_shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,12 @@ class BaseAttnBackend(ABC):
         """Decode attention that first does the rotary kernel's work (rotate q and rope.k, after the q/k
         norm where rope has its weights; store K and V at rope.loc). q: [B, Hq, D] unrotated -> [B, Hq, D]."""
         raise NotImplementedError(f"{type(self).__name__} does not rotate inside decode attention")
+
+    def decode_variant(self, batch_size: int) -> Hashable:
+        """What picks the compiled variant of this backend's decode kernels for a batch of this many rows:
+        the start-up warm-up runs one eager decode step for each value it takes (engine/warmup.py). One
+        variant for every size unless a backend says otherwise."""
+        return None
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
         """Where the rotary kernel may store this step's K/V instead of this backend; None: the backend

@@ -9,6 +9,7 @@ current one still runs.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from minisgl.attention.base import BaseAttnBackend, DecodeRope, KVDestination
 from minisgl.core import Batch
 from minisgl.env import ENV
 from minisgl.kernel.attention import (
+    WIDE_PROGRAMS,
     decode_attention,
     decode_order,
     decode_splits,
@@ -25,6 +27,7 @@ from minisgl.kernel.attention import (
 )
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.utils.misc import next_pow2
 from minisgl.utils.torch_utils import pin
 
 
@@ -96,6 +99,19 @@ class TritonAttnBackend(BaseAttnBackend):
     def ordered(self, batch_size: int) -> bool:
         """Whether a decode batch of this size starts its programs longest context first."""
         return ordered_from(batch_size, self.order_from)
+
+    def decode_variant(self, batch_size: int) -> Hashable:
+        # what decode_attention's constexprs follow (tiles, split or not, the merge's block, the order, the
+        # rotary inside), and the split count where Triton specialises an integer: equal to 1 or divisible by 16
+        hk = self.kv_cache.num_kv_heads
+        splits = decode_splits(batch_size, hk)
+        return (
+            batch_size * hk >= WIDE_PROGRAMS,
+            next_pow2(splits),
+            splits % 16 == 0,
+            self.ordered(batch_size),
+            batch_size <= ENV.FUSED_DECODE_ROPE.value,
+        )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
         if not (batch.is_decode and batch.size <= ENV.FUSED_DECODE_ROPE.value) or ENV.SEPARATE_KV_STORE.value:

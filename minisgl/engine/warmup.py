@@ -14,7 +14,9 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
   them for every length, as no argument of theirs depends on the token count; the MoE kernel's row
   block height follows the tokens per expert, so one step per height (`_prefill_lengths`);
 - the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);
-  an eager decode step here covers batches above the largest graph;
+  batches that run eagerly (all of them without graphs, or those above the largest graph) pick the
+  attention kernels' tiles, splits and order by their size, so one eager step here runs for each
+  variant among those sizes (`attn_backend.decode_variant`), and one of a single row;
 - sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
   penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too).
 Batch sizes add no variants: the per-row buffers are padded to keep every pointer 16-byte aligned
@@ -86,6 +88,20 @@ def _requests(engine: Engine, total: int, params: list[SamplingParams]) -> list[
     return reqs
 
 
+def _eager_decode_sizes(engine: Engine) -> list[int]:
+    """Decode batch sizes that run without a graph: one for each variant of the attention backend's decode
+    kernels, and 1 and 16 rows (the split-K GEMM takes its rows as an integer, which Triton specialises
+    when it equals 1 or divides by 16; it serves up to 16 rows)."""
+    if engine.device.type != "cuda":
+        return []  # nothing is compiled per batch size on a CPU
+    runner = engine.graph_runner
+    lo, hi = (runner.max_bs + 1 if runner.enabled else 1), engine.config.max_running_req
+    sizes: dict[object, int] = {}
+    for bs in range(lo, hi + 1):
+        sizes.setdefault(engine.attn_backend.decode_variant(bs), bs)
+    return sorted(set(sizes.values()) | {bs for bs in (1, 16) if lo <= bs <= hi})
+
+
 def _step(engine: Engine, reqs: list[Req], phase: str) -> None:
     batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
     engine.forward_batch(engine.prepare_batch(batch, eos_token_ids=(0,)))
@@ -104,6 +120,10 @@ def warm_up(engine: Engine) -> None:
     _step(engine, mixed, "prefill")
     # eager decode: graphs are captured after the warm-up, so this runs without them
     _step(engine, mixed, "decode")
+    for bs in _eager_decode_sizes(engine):
+        reqs = _requests(engine, bs, [SamplingParams()] * bs)
+        _step(engine, reqs, "prefill")
+        _step(engine, reqs, "decode")
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     rows = engine.config.max_running_req

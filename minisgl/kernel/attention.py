@@ -52,6 +52,7 @@ WIDE, DEEP = DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3)
 # Compute"): left alone ptxas gives it 177 registers, two programs an SM; at 168 (no spills) three fit
 EVEN_DEEP, EVEN_FP8 = DecodeConfig(128, 4, 3, True), DecodeConfig(128, 4, 4, True, 168)
 DECODE_CONFIG: DecodeConfig | None = None  # set to force one tile configuration (benchmarks)
+WIDE_PROGRAMS = 1024  # programs (requests x KV heads) from which a 16-bit batch takes the wide tiles
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # about two programs per SM on an H200
 
@@ -62,10 +63,10 @@ def decode_config(
     if DECODE_CONFIG is not None:
         return DECODE_CONFIG
     if q_dtype == torch.float32:
-        return WIDE if batch_size * num_kv_heads >= 1024 else DEEP
+        return WIDE if batch_size * num_kv_heads >= WIDE_PROGRAMS else DEEP
     if fp8:
         return EVEN_FP8
-    return WIDE if batch_size * num_kv_heads >= 1024 else EVEN_DEEP
+    return WIDE if batch_size * num_kv_heads >= WIDE_PROGRAMS else EVEN_DEEP
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,10 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # row blocks vary fastest, so that the programs of one weight tile run side by side and the
+    # tile comes from DRAM once, whatever the number of row blocks
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,7 +111,7 @@ def _gemm_kernel(
         tl.store(Part + pid_k * split_stride + offs, acc, mask=out_mask)
         # every thread's partial is written before the ticket is taken (the atomic releases them)
         tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_n * tl.num_programs(0) + pid_m
         ticket = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == split - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -156,7 +158,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = 
     part, counters = _workspace(x.device)
     if split > 1 and (split * m * n > part.numel() or grid_n * grid_m > counters.numel()):
         split, k_per_split = 1, k
-    _gemm_kernel[(grid_n, grid_m, split)](
+    _gemm_kernel[(grid_m, grid_n, split)](
         x, w, y, part, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
         split, m * n, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
