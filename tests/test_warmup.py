@@ -61,7 +61,7 @@ def test_the_warm_up_runs_every_sampling_mode_and_leaves_no_trace(
 
 def fake_engine(max_running_req: int, graphs_max_bs: int, kv_heads: int) -> SimpleNamespace:
     """What _eager_decode_sizes reads of a CUDA engine with the Triton backend (no GPU needed)."""
-    backend = SimpleNamespace(kv_cache=SimpleNamespace(num_kv_heads=kv_heads))
+    backend = SimpleNamespace(kv_cache=SimpleNamespace(num_kv_heads=kv_heads), supports_cuda_graphs=True)
     backend.ordered = lambda bs: ordered_from(bs, 32)
     backend.decode_variant = lambda bs: TritonAttnBackend.decode_variant(backend, bs)  # type: ignore[arg-type]
     return SimpleNamespace(
@@ -88,6 +88,10 @@ def test_eager_decode_sizes_cover_every_variant_of_the_eager_batches(kv_heads: i
     assert {variant(bs) for bs in range(65, 257)} == {variant(bs) for bs in above}
     # graphs for every batch the scheduler forms: nothing runs eagerly
     assert warmup._eager_decode_sizes(fake_engine(256, 256, kv_heads)) == []  # type: ignore[arg-type]
+    # a backend without graph hooks decodes every size eagerly, whatever the graph limit says
+    no_hooks = fake_engine(256, 256, kv_heads)
+    no_hooks.attn_backend.supports_cuda_graphs = False
+    assert warmup._eager_decode_sizes(no_hooks) == sizes  # type: ignore[arg-type]
     cpu = fake_engine(256, 0, kv_heads)
     cpu.device = torch.device("cpu")
     assert warmup._eager_decode_sizes(cpu) == []  # type: ignore[arg-type]

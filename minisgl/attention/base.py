@@ -40,6 +40,9 @@ class DecodeRope:
 
 
 class BaseAttnBackend(ABC):
+    # whether the decode CUDA-graph hooks below are implemented (the warm-up runs eagerly what graphs won't)
+    supports_cuda_graphs = False
+
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
         """Build whatever the layers need to attend over the paged pool; stored in batch.attn_metadata."""

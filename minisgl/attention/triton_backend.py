@@ -44,6 +44,8 @@ class TritonAttnMetadata:
 
 
 class TritonAttnBackend(BaseAttnBackend):
+    supports_cuda_graphs = True
+
     def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device) -> None:
         self.kv_cache = kv_cache
         self.page_table = page_table

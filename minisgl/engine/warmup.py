@@ -95,7 +95,8 @@ def _eager_decode_sizes(engine: Engine) -> list[int]:
     if engine.device.type != "cuda":
         return []  # nothing is compiled per batch size on a CPU
     runner = engine.graph_runner
-    lo, hi = (runner.max_bs + 1 if runner.enabled else 1), engine.config.max_running_req
+    graphs = runner.enabled and engine.attn_backend.supports_cuda_graphs
+    lo, hi = (runner.max_bs + 1 if graphs else 1), engine.config.max_running_req
     sizes: dict[object, int] = {}
     for bs in range(lo, hi + 1):
         sizes.setdefault(engine.attn_backend.decode_variant(bs), bs)
