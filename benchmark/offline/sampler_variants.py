@@ -31,7 +31,13 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from minisgl.kernel.sampling import _log2, _sample_merge_kernel, sample_tokens  # noqa: E402
+from minisgl.kernel.sampling import (  # noqa: E402
+    _hash_base,
+    _hash_uniform,
+    _log2,
+    _sample_merge_kernel,
+    sample_tokens,
+)
 from minisgl.utils.misc import div_ceil, next_pow2  # noqa: E402
 
 # (noise, division, hash, log): noise 0 none; division 0 by reciprocal, 1 rounded as torch divides; hash 64
@@ -69,9 +75,7 @@ def _variant_kernel(
     c = tl.program_id(1)
     temp = tl.load(Temps + r)
     inv = 1.0 / temp
-    seed = tl.load(Seeds + r).to(tl.uint64, bitcast=True)
-    step = tl.load(Steps + r).to(tl.uint64, bitcast=True)
-    base = seed * 0x9E3779B97F4A7C15 + step * 0x94D049BB133111EB
+    base = _hash_base(Seeds, Steps, r)
     base32 = (base ^ (base >> 32)).to(tl.uint32)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
@@ -86,11 +90,7 @@ def _variant_kernel(
             scaled = logit * inv
         if NOISE:
             if HASH == 64:
-                x = base + idx.to(tl.uint64) * 0xBF58476D1CE4E5B9
-                x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
-                x = (x ^ (x >> 27)) * 0x94D049BB133111EB
-                x = x ^ (x >> 31)
-                u = ((x >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                u = _hash_uniform(base, idx)
             else:
                 y = base32 ^ (idx.to(tl.uint32) * 0x9E3779B9)
                 y = (y ^ (y >> 16)) * 0x7FEB352D

@@ -16,7 +16,7 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
 - the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);
   batches that run eagerly (all of them without graphs, or those above the largest graph) pick the
   attention kernels' tiles, splits and order by their size, so one eager step here runs for each
-  variant among those sizes (`attn_backend.decode_variant`), and one of a single row;
+  variant among those sizes (`attn_backend.decode_variant`), and of 1 and 16 rows;
 - sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
   penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too).
 Batch sizes add no variants: the per-row buffers are padded to keep every pointer 16-byte aligned
