@@ -364,6 +364,26 @@ def test_slow_headers_and_slow_bodies_are_cut_off(server: Server) -> None:
     assert data.startswith(b"HTTP/1.1 200 ") and 4 < waited < 9  # the 5 s keep-alive
 
 
+def test_a_large_body_sent_steadily_for_longer_than_the_timeout_is_read_whole(server: Server) -> None:
+    # 1 MB in ten pieces 0.7 s apart: 7 s, past the 5 s timeout, but every 64 KiB earns a second more
+    start_of_body, piece = b'{"prompt": "hello", "max_tokens": 2', b" " * 100_000
+    length = len(start_of_body) + 10 * len(piece) + 1
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    sock = socket.create_connection((server.host, server.port))
+    start = time.monotonic()
+    sock.sendall(head.encode() + start_of_body)
+    for _ in range(10):
+        time.sleep(0.7)
+        sock.sendall(piece)
+    sock.sendall(b"}")
+    sock.settimeout(60)
+    data = sock.recv(65536)
+    sock.close()
+    assert time.monotonic() - start > READ_TIMEOUT_S + 1
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    _assert_idle(server)
+
+
 def test_metrics_show_the_kv_pool_from_the_first_scrape(server: Server) -> None:
     first = server.first_metrics  # type: ignore[attr-defined]
     assert first["minisgl_kv_pages_total"] > 0

@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--read-timeout",
         type=_positive_seconds,
         default=ServerArgs.read_timeout,
-        help="seconds a client has to send a request's headers, and again its body (default: %(default)s)",
+        help="seconds a client has to send a request's headers, and again its body (1 s more for every 64 KiB "
+        "of body received) (default: %(default)s)",
     )
     p.add_argument(
         "--api-key",

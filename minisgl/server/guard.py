@@ -5,7 +5,9 @@ server's memory, sockets or event loop:
   as soon as the bytes received pass the limit;
 - a request's headers must arrive within `read_timeout_s` of the connection opening (or of the first
   byte of the next request on a kept-alive connection), else the connection is closed; its body must
-  arrive within `read_timeout_s` of its headers, else the answer is 408;
+  arrive within `read_timeout_s` of its headers, plus a second for every `BODY_MIN_RATE` bytes received
+  (a large body sent steadily is read whole, however slow the client's machine; a trickle is not:
+  Apache's `RequestReadTimeout ... MinRate` rule), else the answer is 408;
 - a kept-alive connection idle for `keep_alive_s` is closed (uvicorn's own timer);
 - an unexpected exception is logged with its traceback and answered with a JSON 500 that says nothing
   of the server's internals.
@@ -32,6 +34,10 @@ logger = init_logger(__name__)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+
+# Bytes a second of body that earn a second more to send the rest: at 4 MiB, the default limit, a
+# steady client has 64 s more; one that trickles a byte a second gains nothing.
+BODY_MIN_RATE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -88,14 +94,16 @@ class RequestGuard:
             size = int(declared) if len(declared) <= 18 else limit
             await send_error(send, _too_large(size, limit, at_least=len(declared) > 18))
             return None
-        deadline = time.monotonic() + self.limits.read_timeout_s
+        start = time.monotonic()
         chunks, size = [], 0
         while True:
+            allowed = self.limits.read_timeout_s + size / BODY_MIN_RATE
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                message = await asyncio.wait_for(receive(), max(0.0, start + allowed - time.monotonic()))
             except asyncio.TimeoutError:
                 error = APIError(
-                    f"the request body did not arrive within {self.limits.read_timeout_s:g} s",
+                    f"the request body did not arrive within {allowed:.3g} s ({self.limits.read_timeout_s:g} s,"
+                    f" and 1 s more for every {BODY_MIN_RATE} bytes received: {size} were)",
                     None,
                     "request_timeout",
                     408,
