@@ -155,7 +155,15 @@ def test_engine_with_the_rotary_inside_decode_gives_the_greedy_tokens_of_transfo
     monkeypatch.setattr("minisgl.kernel.rotary.apply_rotary", counted)
     folder = tiny_model(variant)
     prompts = random_prompts(3, seed=4, max_len=24)
-    llm = make_llm(folder, page_size=16, max_running_req=4, device=DEVICE.type)
+    # eager steps on a GPU too: a replayed CUDA graph calls no Python, so it would count nothing either way
+    llm = make_llm(
+        folder,
+        page_size=16,
+        max_running_req=4,
+        device=DEVICE.type,
+        cuda_graph_max_bs=0,
+        cuda_graph_max_prefill=0,
+    )
     calls.update(prefill=0, decode=0)  # the start-up warm-up's steps are not this generate's
     out = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 5)

@@ -71,7 +71,7 @@ def test_rotary_kernel_stores_the_bytes_the_store_kernel_stores(
     loc = loc.to(DEVICE)
     scales = (torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE))
 
-    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(fused: bool, split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         x = qkv.clone().to(DEVICE)
         q = x[:, : HQ * D].view(t, HQ, D)
         k = x[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
@@ -82,14 +82,17 @@ def test_rotary_kernel_stores_the_bytes_the_store_kernel_stores(
         fp8_scales = scales if pool_dtype == FP8_DTYPE else (None, None)
         if fused:
             dest = KVDestination(k_cache, v_cache, loc, *scales)
-            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms, v=v, dest=dest)
+            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms, v=v, dest=dest, split=split)
         else:
-            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms)
+            apply_rotary(pos.to(DEVICE), q, k, rope.cos_sin.to(DEVICE), norms, split=split)
             store_kv(k, v, k_cache, v_cache, loc, *fp8_scales)
         return q.cpu(), k.cpu(), k_cache.view(torch.uint8).cpu(), v_cache.view(torch.uint8).cpu()
 
-    for ours, ref in zip(run(True), run(False)):
-        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    # three programs a token (q, k, v) or one doing the three in turn: the same bytes
+    ref = run(False, split=False)
+    for ours in (run(True), run(True, split=False), run(False)):
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     k_bytes = run(True)[2]
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
     untouched[loc.cpu()] = False

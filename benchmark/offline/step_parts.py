@@ -10,7 +10,9 @@ model's layers before the engine captures its decode graphs, then times every ca
   none    the engine as it is;
   norms   every layer's two RMSNorms (and their residual adds) launch nothing;
   silu    silu(gate) * up launches nothing (the down projection reads the gate half in place);
-  rotary  the rotary kernel (q/k norm, rotation, K/V store) launches nothing, inside attention too.
+  rotary  the rotary kernel (q/k norm, rotation, K/V store) launches nothing, inside attention too;
+  rope-serial  not a part dropped but the rotary kernel as it was before 2026-12-03, one program a token
+          doing q, k and v in turn instead of three side by side (a negative saving is what the split gains).
 The outputs are meaningless with a part dropped; the kernels left read and write what they did, so their
 time is what it was. `--compare` prints each dropped part's saving by batch size against the first file.
 """
@@ -50,8 +52,14 @@ def drop(part: str) -> None:
             lambda self, positions, q, k, q_norm, k_norm, v=None, dest=None: (q, k)
         )
         TritonAttnBackend.fuses_decode_rope = lambda self, batch, q: False  # type: ignore[method-assign]
+    elif part == "rope-serial":
+        from functools import partial
+
+        import minisgl.kernel.rotary as rotary
+
+        rotary.apply_rotary = partial(rotary.apply_rotary, split=False)  # type: ignore[assignment]
     else:
-        raise SystemExit(f"--drop {part!r}: one of none, norms, silu, rotary")
+        raise SystemExit(f"--drop {part!r}: one of none, norms, silu, rotary, rope-serial")
 
 
 def compare(paths: list[str]) -> None:

@@ -97,22 +97,29 @@ def _rope_kernel(
     STORE: tl.constexpr,
     FP8: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     t = tl.program_id(0)
+    # SPLIT: three programs a token (q, k with its store, v's store) whose loads are in flight at once;
+    # otherwise one program does the three in turn, each waiting on its own loads
+    part = tl.program_id(1) if SPLIT else -1
     pos = tl.load(Pos + t)
     d = tl.arange(0, HALF)
     # the table row is [cos | sin], each D wide with its two halves equal
     cos = tl.load(CosSin + pos * stride_cs + d)
     sin = tl.load(CosSin + pos * stride_cs + 2 * HALF + d)
-    _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM)
-    k1, k2 = _rotate(K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM)
-    if STORE:
-        slot = tl.load(Loc + t).to(tl.int64)
-        heads = tl.arange(0, BLOCK_HK)[:, None]
-        mask = heads < HK
-        dst = slot * stride_ct + heads * stride_ch + d[None, :]
-        tl.store(KCache + dst, to_pool(k1, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
-        tl.store(KCache + dst + HALF, to_pool(k2, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+    heads = tl.arange(0, BLOCK_HK)[:, None]
+    mask = heads < HK
+    if part <= 0:
+        _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM)
+    if part < 0 or part == 1:
+        k1, k2 = _rotate(K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM)
+        if STORE:
+            dst = tl.load(Loc + t).to(tl.int64) * stride_ct + heads * stride_ch + d[None, :]
+            tl.store(KCache + dst, to_pool(k1, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+            tl.store(KCache + dst + HALF, to_pool(k2, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
+    if STORE and (part < 0 or part == 2):
+        dst = tl.load(Loc + t).to(tl.int64) * stride_ct + heads * stride_ch + d[None, :]
         src = V + t * stride_vt + heads * stride_vh + d[None, :]
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
@@ -128,12 +135,14 @@ def apply_rotary(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     v: torch.Tensor | None = None,
     dest: KVDestination | None = None,
+    split: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (strided views are fine, the last dim contiguous), rotated in place.
 
     With qk_norm = (q weight, k weight, eps), each head is RMS-normalised first, in the same pass.
     With dest (and v, [T, Hk, D]), the rotated K and V are also written into the pool at dest.loc, as
-    store.store_kv writes them.
+    store.store_kv writes them. split=False runs one program a token instead of three (q, k, v): the
+    same bits, for the benchmark that compares them.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -148,7 +157,7 @@ def apply_rotary(
         assert dest.k_cache.stride() == dest.v_cache.stride() and dest.k_cache.stride(-1) == 1
         fp8 = check_fp8_pool(dest.k_cache, dest.k_scale, dest.v_scale)
     # unused pointer arguments get a tensor that is there: a kernel variant without STORE never reads them
-    _rope_kernel[(t,)](
+    _rope_kernel[(t, (3 if dest else 2) if split else 1)](
         q,
         k,
         v if dest else k,
@@ -180,6 +189,7 @@ def apply_rotary(
         STORE=dest is not None,
         FP8=fp8,
         FP8_LIMIT=FP8_MAX,
+        SPLIT=split,
         num_warps=4,
     )
     return q, k
