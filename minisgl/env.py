@@ -125,6 +125,14 @@ class _Env:
             "(and Qwen3's q/k norm) and store K/V inside the decode attention kernel: one launch a layer "
             "fewer (faster up to 16 rows on an H200, slower from 64; docs/benchmarks.md); 0: never",
         )
+        self.FOLD_NORMS = EnvVar(
+            "MINISGL_FOLD_NORMS",
+            True,
+            "where the Triton kernels run (CUDA), fold each decoder layer's RMSNorm weights into the q|k|v and "
+            "gate|up projections after them: the rotary and SiLU kernels apply the 1 / rms and the residual "
+            "adds go into the o and down projections' epilogues, two launches a layer fewer "
+            "(docs/benchmarks.md); 0: the norms as in the checkpoint",
+        )
         self.DIRECT_LAUNCH = EnvVar(
             "MINISGL_DIRECT_LAUNCH",
             True,

@@ -102,6 +102,54 @@ def test_rotary_kernel_stores_the_bytes_the_store_kernel_stores(
     assert torch.equal(k_bytes[untouched], nan)
 
 
+@pytest.mark.parametrize("dtype,pool_dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_folded_norms_row_scale_is_the_scale_applied_before_the_kernel(
+    dtype: torch.dtype, pool_dtype: torch.dtype, qk_norm: bool
+) -> None:
+    # q|k|v of unnormalised hidden states, scaled by each row's 1 / rms in the kernel, against q|k|v scaled
+    # (and rounded to their dtype) first, as the norm before the projection would have made them
+    g = torch.Generator().manual_seed(5 + qk_norm)
+    t = 5
+    hidden = (torch.randn(t, 40, generator=g) * torch.logspace(-2, 2, t)[:, None]).to(dtype)
+    qkv = (torch.randn(t, (HQ + 2 * HK) * D, generator=g) * 3).to(dtype)
+    pos = torch.randint(0, 64, (t,), generator=g).to(DEVICE)
+    cos_sin = RotaryEmbedding(D, 64, 10000.0, None).cos_sin.to(DEVICE)
+    norms = None
+    if qk_norm:
+        norms = (
+            torch.randn(D, generator=g).to(dtype).to(DEVICE),
+            torch.randn(D, generator=g).to(dtype).to(DEVICE),
+            1e-6,
+        )
+    loc = torch.randperm(2 * t, generator=g)[:t].to(DEVICE)
+    scales = (torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE))
+    inv = torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def run(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None) -> list[torch.Tensor]:
+        x = x.clone().to(DEVICE)
+        q = x[:, : HQ * D].view(t, HQ, D)
+        k = x[:, HQ * D : (HQ + HK) * D].view(t, HK, D)
+        v = x[:, (HQ + HK) * D :].view(t, HK, D)
+        k_cache = torch.zeros(2 * t, HK, D, device=DEVICE).to(pool_dtype)
+        v_cache = k_cache.clone()
+        dest = KVDestination(k_cache, v_cache, loc, *scales)
+        apply_rotary(pos, q, k, cos_sin, norms, v=v, dest=dest, row_scale=row_scale)
+        return [q.float().cpu(), k.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu()]
+
+    got = run(qkv, (hidden.to(DEVICE), 1e-6))
+    want = run((qkv.float() * inv).to(dtype), None)
+    # the scale's last bit may differ (its sum is reduced in another order), and the rotation's
+    # differences cancel: tolerances against each tensor's largest element
+    tol = 1e-5 if dtype == torch.float32 and pool_dtype == torch.float32 else 0.13
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * 0.1 * b.abs().max().item())
+    # and the scale did something: rows of hidden states far from unit rms
+    assert not torch.allclose(got[3], run(qkv, None)[3])
+    with pytest.raises(ValueError, match="needs the K/V destination"):
+        apply_rotary(pos, *got[:2], cos_sin, row_scale=(hidden.to(DEVICE), 1e-6))
+
+
 def test_rotary_kernel_refuses_a_destination_without_v() -> None:
     q, k = torch.randn(2, HQ, D, device=DEVICE), torch.randn(2, HK, D, device=DEVICE)
     cache = torch.zeros(4, HK, D, device=DEVICE)
@@ -123,21 +171,24 @@ def test_rotary_kernel_refuses_an_fp8_destination_without_scales() -> None:
 
 # qwen3 has the q/k norm in the rotary kernel, llama not; one case stores K/V in a launch of its own; the
 # MoE model takes the Triton MoE backend too
+# the norms folded into the projections where the model allows it (not the MoE model), and once not
 @pytest.mark.parametrize(
-    "variant,page_size,separate",
+    "variant,page_size,separate,fold",
     [
-        ("qwen3", 1, False),
-        ("qwen3", 16, False),
-        ("llama", 16, False),
-        ("qwen3", 16, True),
-        ("qwen3-moe", 16, False),
+        ("qwen3", 1, False, True),
+        ("qwen3", 16, False, True),
+        ("qwen3", 16, False, False),
+        ("llama", 16, False, True),
+        ("qwen3", 16, True, True),
+        ("qwen3-moe", 16, False, True),
     ],
 )
 def test_engine_on_the_triton_path_gives_the_greedy_tokens_of_transformers(
-    variant: str, page_size: int, separate: bool, tiny_model, hf_reference, make_llm, monkeypatch
+    variant: str, page_size: int, separate: bool, fold: bool, tiny_model, hf_reference, make_llm, monkeypatch
 ) -> None:
     monkeypatch.setattr(ENV.KERNELS, "value", "triton")
     monkeypatch.setattr(ENV.SEPARATE_KV_STORE, "value", separate)
+    monkeypatch.setattr(ENV.FOLD_NORMS, "value", fold)
     if not separate:
 
         def separate_store(*args: object) -> None:
@@ -151,6 +202,7 @@ def test_engine_on_the_triton_path_gives_the_greedy_tokens_of_transformers(
     assert isinstance(llm.engine.attn_backend, TritonAttnBackend)
     moe = [m.backend for m in llm.engine.model.modules() if isinstance(m, MoeExperts)]
     assert all(isinstance(b, TritonMoeBackend) for b in moe) and bool(moe) == ("moe" in variant)
+    assert llm.engine.model.model.folded == (fold and "moe" not in variant)
     out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
 

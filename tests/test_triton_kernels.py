@@ -215,6 +215,17 @@ def test_silu_and_mul_matches_torch() -> None:
     assert rel_err(silu_and_mul(x).cpu(), torch_activation.silu_and_mul(x.cpu())) < 1e-6
 
 
+def test_silu_and_mul_with_a_folded_norms_row_scale_matches_scaling_first() -> None:
+    # gate|up of unnormalised hidden states: each row scaled by 1 / rms(hidden) before the activation
+    x = torch.randn(4, 2 * 40) * 3
+    hidden = torch.randn(4, 24) * torch.logspace(-2, 2, 4)[:, None]
+    want = torch_activation.silu_and_mul(x * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6))
+    got = silu_and_mul(x.to(DEVICE), (hidden.to(DEVICE), 1e-6)).cpu()
+    assert rel_err(got, want) < 1e-6 and rel_err(got, torch_activation.silu_and_mul(x)) > 0.1
+    # the torch version (a CPU run) takes the same argument
+    assert rel_err(torch_activation.silu_and_mul(x, (hidden, 1e-6)), want) < 1e-6
+
+
 def test_rotary_in_place_matches_torch() -> None:
     rope = RotaryEmbedding(16, 64, 10000.0, None)
     qkv = torch.randn(6, (4 + 2 + 2) * 16)
@@ -548,6 +559,11 @@ def test_skinny_gemm_matches_a_float32_product_and_leaves_its_counters_at_zero(
         assert rel_err(y.float().cpu(), ref.cpu()) < 2e-3
         # the partials are added in split order: the same bits whichever program finished last
         assert torch.equal(gemm.skinny_matmul(x, w, cfg), y)
+        assert not gemm._workspace(x.device)[1].any()
+        # a residual added to the float32 sums (a folded norm's residual add, in o_proj and down_proj)
+        r = torch.randn(m, n, generator=gen).to(DEVICE, dtype) * 10
+        y = gemm.skinny_matmul(x, w, cfg, residual=r)
+        assert rel_err(y.float().cpu(), (ref + r.float()).cpu()) < 2e-3
         assert not gemm._workspace(x.device)[1].any()
 
 

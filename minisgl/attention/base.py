@@ -37,6 +37,9 @@ class DecodeRope:
     q_weight: torch.Tensor | None = None  # Qwen3's RMSNorm over each q and k head, before the rotation
     k_weight: torch.Tensor | None = None
     eps: float = 0.0
+    # (hidden states [B, N], eps): q, k and v are first scaled by each row's 1 / rms(hidden), the norm before
+    # the q|k|v projection whose weight was folded into it (models/llama.py's `fold_norms`)
+    row_scale: tuple[torch.Tensor, float] | None = None
 
 
 class BaseAttnBackend(ABC):

@@ -207,6 +207,9 @@ class Engine:
             torch.set_default_dtype(old)
         # an FP8 KV cache's scales travel with the weights: they are kept aside for the pool
         load_weights(model, self.kv_scales.take(iter_safetensors(self.model_dir)))
+        fold = getattr(model, "fold_norms", None)
+        if ENV.FOLD_NORMS.value and fold is not None and fold():
+            logger.info("RMSNorm weights folded into the q|k|v and gate|up projections")
         return model.eval()
 
     def _quantization(self) -> QuantPlan | None:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from minisgl.kernel import dot_precision
 from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
 from minisgl.utils.misc import div_ceil, next_pow2
@@ -136,13 +137,18 @@ def _online_softmax(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _rope_heads(X, W, eps, mask, d, cos, sin, D: tl.constexpr, NORM: tl.constexpr):
-    """Heads at X (pointers [R, D] of one token), RMS-normalised (NORM) and rotated, rounded where the
-    rotary kernel (rotary.py's _rotate) rounds: [R, D] in X's dtype. The rotate-half partner of dim d is
-    d +- D/2, loaded a second time rather than moved between registers."""
+def _rope_heads(
+    X, W, eps, mask, d, cos, sin, scale, D: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr
+):
+    """Heads at X (pointers [R, D] of one token), scaled (SCALE: a folded norm's 1 / rms), RMS-normalised
+    (NORM) and rotated, rounded where the rotary kernel (rotary.py's _rotate) rounds: [R, D] in X's dtype.
+    The rotate-half partner of dim d is d +- D/2, loaded a second time rather than moved between registers."""
     partner = (d + D // 2) % D
     x = tl.load(X + d[None, :], mask=mask, other=0.0)
     xp = tl.load(X + partner[None, :], mask=mask, other=0.0)
+    if SCALE:
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+        xp = (xp.to(tl.float32) * scale).to(xp.dtype)
     if NORM:
         f, fp = x.to(tl.float32), xp.to(tl.float32)
         inv = tl.rsqrt(tl.sum(f * f, 1) / D + eps)[:, None]
@@ -193,6 +199,9 @@ def _decode_kernel(
     stride_vnt,
     stride_vnh,
     stride_cs,
+    S,
+    s_eps,
+    stride_s,
     NUM_QO_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -208,6 +217,9 @@ def _decode_kernel(
     NORM: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     ORDERED: tl.constexpr,
+    SCALE: tl.constexpr,
+    S_N: tl.constexpr,
+    S_BLOCK: tl.constexpr,
 ):
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
@@ -230,9 +242,12 @@ def _decode_kernel(
         pos = tl.load(Pos + b).to(tl.int64)
         cos = tl.load(CosSin + pos * stride_cs + d)
         sin = tl.load(CosSin + pos * stride_cs + D + d)
+        # SCALE: q|k|v came from the hidden states S unnormalised (the norm's weight folded into q|k|v)
+        scale = row_inv_rms(S, b, stride_s, s_eps, S_N, S_BLOCK) if SCALE else 1.0
         q = _rope_heads(
-            Q + b * stride_qt + heads[:, None] * stride_qh, QW, eps, hmask[:, None], d, cos, sin, D, NORM
-        )
+            Q + b * stride_qt + heads[:, None] * stride_qh, QW, eps, hmask[:, None], d, cos, sin, scale, D,
+            NORM, SCALE,
+        )  # fmt: skip
     else:
         q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr, mask=hmask[:, None] & dmask[None, :], other=0.0)
@@ -275,9 +290,12 @@ def _decode_kernel(
         if (start <= seq_len - 1) & (seq_len - 1 < end):  # the split that holds the new token
             one = tl.full([1], 1, tl.int1)
             k_new = _rope_heads(
-                KNew + b * stride_knt + kvh * stride_knh, KW, eps, one[:, None], d, cos, sin, D, NORM
-            )
+                KNew + b * stride_knt + kvh * stride_knh, KW, eps, one[:, None], d, cos, sin, scale, D, NORM,
+                SCALE,
+            )  # fmt: skip
             v_new = tl.load(VNew + b * stride_vnt + kvh * stride_vnh + d)[None, :]
+            if SCALE:
+                v_new = (v_new.to(tl.float32) * scale).to(v_new.dtype)
             # stored as the rotary kernel stores them, and attended to as the pool will hand them out
             k_pool = to_pool(k_new, KScale, K, FP8, FP8_LIMIT)
             v_pool = to_pool(v_new, VScale, V, FP8, FP8_LIMIT)
@@ -385,7 +403,8 @@ def decode_attention(
     An FP8 (float8_e4m3fn) pool is read as stored * scale, with k_scale and v_scale one-element float32
     tensors; q then stays in its own dtype (the products run in fp16 for a bf16 or fp16 q, in float32
     for a float32 one). With `rope`, q is unrotated and this step's K/V are not in the pool yet: the
-    kernel rotates q and K (after Qwen3's q/k norm) and stores K and V, as the rotary kernel would have.
+    kernel rotates q and K (after Qwen3's q/k norm) and stores K and V, as the rotary kernel would have,
+    q, K and V first scaled by the row's 1 / rms where `rope.row_scale` is given (a folded norm).
     """
     fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     if k_cache.stride() != v_cache.stride():
@@ -404,6 +423,7 @@ def decode_attention(
         if (rope.q_weight is None) != (rope.k_weight is None):
             raise ValueError("the q/k norm inside decode attention needs both weights")
     norm = rope is not None and rope.q_weight is not None
+    scaled = rope if rope is not None and rope.row_scale is not None else None
     split = num_splits > 1
     if split:
         mid_o = torch.empty((bs, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -446,6 +466,9 @@ def decode_attention(
         rope.v.stride(0) if rope else 0,
         rope.v.stride(1) if rope else 0,
         rope.cos_sin.stride(0) if rope else 0,
+        scaled.row_scale[0] if scaled else q,
+        scaled.row_scale[1] if scaled else 0.0,
+        scaled.row_scale[0].stride(0) if scaled else 0,
         NUM_QO_HEADS=hq,
         GROUP=group,
         BLOCK_H=max(16, next_pow2(group)),
@@ -461,6 +484,9 @@ def decode_attention(
         NORM=norm,
         FP8_LIMIT=FP8_MAX,
         ORDERED=order is not None,
+        SCALE=scaled is not None,
+        S_N=scaled.row_scale[0].shape[-1] if scaled else 1,
+        S_BLOCK=next_pow2(scaled.row_scale[0].shape[-1]) if scaled else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

@@ -63,6 +63,7 @@ def _gemm_kernel(
     X,
     W,
     Y,
+    R,
     Part,
     Counters,
     M,
@@ -71,10 +72,12 @@ def _gemm_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_rm,
     k_per_split,
     split,
     split_stride,
     HAS_SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,7 +106,10 @@ def _gemm_kernel(
         w_ptrs += BLOCK_K
     out_mask = (rm[:, None] < M) & (rn[None, :] < N)
     y_ptrs = Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    r_ptrs = R + rm[:, None].to(tl.int64) * stride_rm + rn[None, :]
     if not HAS_SPLIT:
+        if HAS_RES:  # the residual added to the float32 sums, rounded once (as cuBLAS's addmm does)
+            acc += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
         # a split's partials [M, N]; the workspace is under 2^31 floats
@@ -119,6 +125,8 @@ def _gemm_kernel(
                 total += tl.load(
                     Part + s * split_stride + offs, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
+            if HAS_RES:
+                total += tl.load(r_ptrs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
 
@@ -141,8 +149,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype."""
+def skinny_matmul(
+    x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype; with
+    `residual` [M, N], residual + x @ w.T, the add on the float32 sums."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -158,9 +169,12 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = 
     part, counters = _workspace(x.device)
     if split > 1 and (split * m * n > part.numel() or grid_n * grid_m > counters.numel()):
         split, k_per_split = 1, k
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(1) == 1
     _gemm_kernel[(grid_m, grid_n, split)](
-        x, w, y, part, counters, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split,
-        split, m * n, HAS_SPLIT=split > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, w, y, residual if residual is not None else y, part, counters, m, n, k, x.stride(0), w.stride(0),
+        y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, split, m * n,
+        HAS_SPLIT=split > 1, HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

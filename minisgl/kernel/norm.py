@@ -50,6 +50,16 @@ def _rms_norm_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
 
 
+@triton.jit
+def row_inv_rms(S, t, stride_s, eps, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """1 / rms of row t of S [T, N] in float32, as the kernel above takes it: the scale of a norm whose weight
+    was folded into the projection after it (models/llama.py's `fold_norms`), applied to the projection's
+    output by the kernel that reads it (rotary, SiLU)."""
+    cols = tl.arange(0, BLOCK_N)
+    x = tl.load(S + t.to(tl.int64) * stride_s + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+
+
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

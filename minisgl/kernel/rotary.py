@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
 from minisgl.utils.misc import next_pow2
@@ -36,14 +37,20 @@ def _rotate(
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    scale,
+    SCALE: tl.constexpr,
 ):
-    """Rotates token t's heads in place and returns the two rotated halves, [BLOCK_H, HALF] each."""
+    """Rotates token t's heads in place and returns the two rotated halves, [BLOCK_H, HALF] each. With SCALE
+    the heads are first multiplied by `scale` (rounded to their dtype, as the projection's output was)."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     mask = heads[:, None] < H
     ptr = X + t * stride_t + heads[:, None] * stride_h + d[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    if SCALE:
+        x1 = (x1.to(tl.float32) * scale).to(x1.dtype)
+        x2 = (x2.to(tl.float32) * scale).to(x2.dtype)
     if NORM:
         # rounded where the torch version rounds: the normalised head, then the product with the weight
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -78,7 +85,10 @@ def _rope_kernel(
     Loc,
     KScale,
     VScale,
+    S,
     eps,
+    s_eps,
+    stride_s,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -98,6 +108,9 @@ def _rope_kernel(
     FP8: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCALE: tl.constexpr,
+    S_N: tl.constexpr,
+    S_BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     # SPLIT: three programs a token (q, k with its store, v's store) whose loads are in flight at once;
@@ -110,10 +123,15 @@ def _rope_kernel(
     sin = tl.load(CosSin + pos * stride_cs + 2 * HALF + d)
     heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = heads < HK
+    # SCALE: q|k|v came from the hidden states S unnormalised (the norm's weight folded into the projection):
+    # each part multiplies by S's 1 / rms first
+    scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK) if SCALE else 1.0
     if part <= 0:
-        _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM)
+        _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM, scale, SCALE)
     if part < 0 or part == 1:
-        k1, k2 = _rotate(K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM)
+        k1, k2 = _rotate(
+            K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM, scale, SCALE
+        )
         if STORE:
             dst = tl.load(Loc + t).to(tl.int64) * stride_ct + heads * stride_ch + d[None, :]
             tl.store(KCache + dst, to_pool(k1, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
@@ -123,6 +141,9 @@ def _rope_kernel(
         src = V + t * stride_vt + heads * stride_vh + d[None, :]
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
+        if SCALE:
+            v1 = (v1.to(tl.float32) * scale).to(v1.dtype)
+            v2 = (v2.to(tl.float32) * scale).to(v2.dtype)
         tl.store(VCache + dst, to_pool(v1, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
         tl.store(VCache + dst + HALF, to_pool(v2, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
 
@@ -136,6 +157,7 @@ def apply_rotary(
     v: torch.Tensor | None = None,
     dest: KVDestination | None = None,
     split: bool = True,
+    row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (strided views are fine, the last dim contiguous), rotated in place.
 
@@ -143,12 +165,17 @@ def apply_rotary(
     With dest (and v, [T, Hk, D]), the rotated K and V are also written into the pool at dest.loc, as
     store.store_kv writes them. split=False runs one program a token instead of three (q, k, v): the
     same bits, for the benchmark that compares them.
+    With row_scale = (hidden states [T, N], eps), q, k and v are first multiplied by each row's 1 / rms(hidden):
+    the norm before the projection, its weight folded into the projection (models/llama.py's `fold_norms`);
+    v is scaled where it is stored, so row_scale needs dest.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and d % 2 == 0
     if dest is not None and v is None:
         raise ValueError("storing K/V from the rotary kernel needs v beside the destination")
+    if row_scale is not None and dest is None:
+        raise ValueError("a row scale needs the K/V destination: v is scaled where it is stored")
     if t == 0:
         return q, k
     fp8 = False
@@ -170,7 +197,10 @@ def apply_rotary(
         dest.loc if dest else positions,
         dest.k_scale if dest else cos_sin,
         dest.v_scale if dest else cos_sin,
+        row_scale[0] if row_scale else q,
         qk_norm[2] if qk_norm else 0.0,
+        row_scale[1] if row_scale else 0.0,
+        row_scale[0].stride(0) if row_scale else 0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -190,6 +220,9 @@ def apply_rotary(
         FP8=fp8,
         FP8_LIMIT=FP8_MAX,
         SPLIT=split,
+        SCALE=row_scale is not None,
+        S_N=row_scale[0].shape[-1] if row_scale else 1,
+        S_BLOCK=next_pow2(row_scale[0].shape[-1]) if row_scale else 1,
         num_warps=4,
     )
     return q, k

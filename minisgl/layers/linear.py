@@ -50,6 +50,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T with the add in the matmul's epilogue (float32 sums, rounded once): cuBLAS's
+    addmm, or the split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N]."""
+    if x.is_cuda and weight.dtype in _SKINNY_DTYPES and ENV.SKINNY_GEMM.value:
+        from minisgl.kernel import gemm
+
+        if gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype:
+            return gemm.skinny_matmul(x, weight, residual=residual.contiguous())
+    return torch.addmm(residual, x, weight.t())
+
+
 def onednn_packing_supported() -> bool:
     """Whether this torch and CPU can hold bf16 weights in oneDNN's blocked layout (`pack_onednn`)."""
     mkldnn = torch.ops.mkldnn
@@ -210,6 +221,15 @@ class LinearRowParallel(QuantizableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.matmul(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T summed over the ranks; with `residual`, residual + that, the add in the matmul's epilogue
+        on rank 0 only (the all-reduce adds the other ranks' parts to it)."""
+        if residual is None:
+            y = all_reduce(self.matmul(x))
+        elif get_tp_info().rank != 0:
+            y = all_reduce(self.matmul(x))
+        elif self.qweight is None and self.packed is None and self.weight is not None and x.dim() == 2:
+            y = all_reduce(linear_add(x, self.weight, residual))
+        else:
+            y = all_reduce(self.matmul(x) + residual)
         return y + self.bias if self.bias is not None else y

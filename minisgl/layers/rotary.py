@@ -57,13 +57,17 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor | None = None,
         dest: KVDestination | None = None,
+        row_scale: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. With v and dest (only where `stores_kv(q)`),
-        the rotated K and V are written into the pool at dest in the same launch."""
+        the rotated K and V are written into the pool at dest in the same launch; with row_scale too, q, k
+        and v are first scaled by each row's 1 / rms of the hidden states (kernel/rotary.py)."""
         if self.stores_kv(q):
             from minisgl.kernel.rotary import apply_rotary
 
-            return apply_rotary(positions, q, k, self.cos_sin, v=v, dest=dest)
+            return apply_rotary(positions, q, k, self.cos_sin, v=v, dest=dest, row_scale=row_scale)
+        if row_scale is not None:
+            raise ValueError("the torch rotary does not take a row scale; check stores_kv first")
         if dest is not None:
             raise ValueError("the torch rotary does not store K/V; check stores_kv first")
         lib = cpu_kernels.elementwise_lib(q)
@@ -82,6 +86,7 @@ class RotaryEmbedding(nn.Module):
         k_norm: RMSNorm,
         v: torch.Tensor | None = None,
         dest: KVDestination | None = None,
+        row_scale: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm over each q and k head (Qwen3), then the rotation (and the K/V store, as in forward);
         one launch on CUDA."""
@@ -89,7 +94,9 @@ class RotaryEmbedding(nn.Module):
             from minisgl.kernel.rotary import apply_rotary
 
             norms = (q_norm.weight, k_norm.weight, q_norm.eps)
-            return apply_rotary(positions, q, k, self.cos_sin, norms, v, dest)
+            return apply_rotary(positions, q, k, self.cos_sin, norms, v, dest, row_scale=row_scale)
+        if row_scale is not None:
+            raise ValueError("a row scale needs the Triton rotary kernel with one eps for the q and k norms")
         return self.forward(positions, q_norm(q), k_norm(k), v, dest)
 
     def stores_kv(self, q: torch.Tensor) -> bool:
