@@ -4,6 +4,8 @@
 # Results go to $OUT (or ./out); the last lines print each part's saving.
 set -uo pipefail
 source benchmark/gpu_env.sh
+# the parts as they were measured on 2026-12-03: the norms as launches (folded, there are none to drop)
+export MINISGL_FOLD_NORMS=${MINISGL_FOLD_NORMS:-0}
 [ -d /tmp/ckpt/qwen3-0.6b ] || python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
 for part in none norms silu rotary; do
     timeout 140 python benchmark/offline/step_parts.py --model /tmp/ckpt/qwen3-0.6b --drop "$part" \

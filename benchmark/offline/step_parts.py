@@ -8,7 +8,8 @@ the rotary kernel into attention), its largest possible gain is the step without
 model's layers before the engine captures its decode graphs, then times every captured batch size as
 `roofline.py --sections steps` does (graph replays on the workload's contexts halfway):
   none    the engine as it is;
-  norms   every layer's two RMSNorms (and their residual adds) launch nothing;
+  norms   every layer's two RMSNorms (and their residual adds) launch nothing (with MINISGL_FOLD_NORMS=0:
+          folded into the projections, the default on CUDA, there are no norm launches to drop);
   silu    silu(gate) * up launches nothing (the down projection reads the gate half in place);
   rotary  the rotary kernel (q/k norm, rotation, K/V store) launches nothing, inside attention too;
   rope-serial  not a part dropped but the rotary kernel as it was before 2026-12-03, one program a token
