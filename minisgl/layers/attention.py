@@ -67,7 +67,7 @@ class AttentionLayer(nn.Module):
                 self.q_norm.weight if norms else None,
                 self.k_norm.weight if norms else None,
                 self.q_norm.eps if norms else 0.0,
-                (x, norm_eps) if norm_eps is not None else None,
+                (x, norm_eps) if folded else None,
             )
             out = backend.forward_decode_rope(q, self.layer_id, batch, rope)
             return self.o_proj(out.reshape(-1, q_size), residual=x if folded else None)
@@ -77,12 +77,8 @@ class AttentionLayer(nn.Module):
         if folded:
             if dest is not None and self._same_eps():
                 row_scale = (x, norm_eps)
-            else:  # no kernel to scale them on the way: scaled here, as the projection's output dtype
-                qkv = (qkv.float() * inv_rms(x, norm_eps)).to(qkv.dtype)
-                q, k, v = (
-                    t.view(-1, t.shape[-1] // self.head_dim, self.head_dim)
-                    for t in qkv.split([q_size, kv_size, kv_size], dim=-1)
-                )
+            else:  # no kernel to scale them on the way: scaled here in float32, in place (q, k, v are views)
+                qkv.mul_(inv_rms(x, norm_eps))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.rotary.forward_with_qk_norm(
                 positions, q, k, self.q_norm, self.k_norm, v, dest, row_scale

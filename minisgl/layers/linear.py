@@ -20,16 +20,24 @@ from minisgl.layers.quant import QuantizedWeight
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the split-K Triton GEMM takes x @ weight.T (the few-row products `gemm.serves` names)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dtype in _SKINNY_DTYPES and ENV.SKINNY_GEMM.value):
+        return False
+    from minisgl.kernel import gemm
+
+    return gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there),
     unless MINISGL_KERNELS=triton runs the CUDA path's code there; on CUDA, the few-row products that
     `gemm.serves` names go to the split-K Triton GEMM (`kernel/gemm.py`, MINISGL_SKINNY_GEMM)."""
-    if x.is_cuda and x.dim() == 2 and weight.dtype in _SKINNY_DTYPES and ENV.SKINNY_GEMM.value:
+    if _skinny(x, weight):
         from minisgl.kernel import gemm
 
-        if gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype:
-            y = gemm.skinny_matmul(x, weight)
-            return y + bias if bias is not None else y
+        y = gemm.skinny_matmul(x, weight)
+        return y + bias if bias is not None else y
     if (
         x.dim() == 2
         and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS
@@ -53,11 +61,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight.T with the add in the matmul's epilogue (float32 sums, rounded once): cuBLAS's
     addmm, or the split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N]."""
-    if x.is_cuda and weight.dtype in _SKINNY_DTYPES and ENV.SKINNY_GEMM.value:
+    if _skinny(x, weight):
         from minisgl.kernel import gemm
 
-        if gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype:
-            return gemm.skinny_matmul(x, weight, residual=residual.contiguous())
+        return gemm.skinny_matmul(x, weight, residual=residual.contiguous())
     return torch.addmm(residual, x, weight.t())
 
 
@@ -224,12 +231,11 @@ class LinearRowParallel(QuantizableLinear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T summed over the ranks; with `residual`, residual + that, the add in the matmul's epilogue
         on rank 0 only (the all-reduce adds the other ranks' parts to it)."""
-        if residual is None:
-            y = all_reduce(self.matmul(x))
-        elif get_tp_info().rank != 0:
-            y = all_reduce(self.matmul(x))
+        if residual is None or get_tp_info().rank != 0:
+            y = self.matmul(x)
         elif self.qweight is None and self.packed is None and self.weight is not None and x.dim() == 2:
-            y = all_reduce(linear_add(x, self.weight, residual))
+            y = linear_add(x, self.weight, residual)
         else:
-            y = all_reduce(self.matmul(x) + residual)
+            y = self.matmul(x) + residual
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

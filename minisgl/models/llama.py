@@ -55,8 +55,7 @@ class DecoderLayer(nn.Module):
             and gate_up is not None
             and qkv.bias is None
             and all(p.qweight is None and p.packed is None and p.weight is not None for p in (qkv, gate_up))
-            and use_triton(qkv.weight)
-            and self.self_attn.rotary.stores_kv(qkv.weight)
+            and self.self_attn.rotary.stores_kv(qkv.weight)  # also: the Triton kernels run on its device
         )
 
     def fold(self) -> None:
@@ -75,9 +74,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.folded:
-            # x is the residual stream: no norm launch, no separate residual
-            if residual is not None:
-                x = x + residual
+            # x is the residual stream (every folded layer returns no separate residual): no norm launch
             x = self.self_attn(x, positions, self.input_layernorm.eps)
             return self.mlp(x, self.post_attention_layernorm.eps), None
         x, residual = self.input_layernorm.forward_with_residual(x, residual)
