@@ -138,15 +138,19 @@ def _online_softmax(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _rope_heads(
-    X, W, eps, mask, d, cos, sin, scale, D: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr
-):
-    """Heads at X (pointers [R, D] of one token), scaled (SCALE: a folded norm's 1 / rms), RMS-normalised
-    (NORM) and rotated, rounded where the rotary kernel (rotary.py's _rotate) rounds: [R, D] in X's dtype.
-    The rotate-half partner of dim d is d +- D/2, loaded a second time rather than moved between registers."""
+    X, W, eps, mask, d, cos, sin, scale, S, b, stride_s, s_eps, D: tl.constexpr, NORM: tl.constexpr,
+    SCALE: tl.constexpr, READ: tl.constexpr, S_N: tl.constexpr, S_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Heads at X (pointers [R, D] of one token), scaled (SCALE: a folded norm's 1 / rms of row b of S, read
+    here with READ, else `scale`), RMS-normalised (NORM) and rotated, rounded where the rotary kernel
+    (rotary.py's _rotate) rounds: ([R, D] in X's dtype, the scale). The rotate-half partner of dim d is
+    d +- D/2, loaded a second time rather than moved between registers."""
     partner = (d + D // 2) % D
     x = tl.load(X + d[None, :], mask=mask, other=0.0)
     xp = tl.load(X + partner[None, :], mask=mask, other=0.0)
     if SCALE:
+        if READ:  # after the heads' loads are issued, so that both reads are in flight together
+            scale = row_inv_rms(S, b, stride_s, s_eps, S_N, S_BLOCK)
         x = (x.to(tl.float32) * scale).to(x.dtype)
         xp = (xp.to(tl.float32) * scale).to(xp.dtype)
     if NORM:
@@ -159,7 +163,7 @@ def _rope_heads(
     c = cos.to(x.dtype).to(tl.float32)[None, :]
     s = sin.to(x.dtype).to(tl.float32)[None, :]
     sign = tl.where(d < D // 2, -1.0, 1.0)[None, :]
-    return (x.to(tl.float32) * c + sign * (xp.to(tl.float32) * s)).to(x.dtype)
+    return (x.to(tl.float32) * c + sign * (xp.to(tl.float32) * s)).to(x.dtype), scale
 
 
 @direct_launch
@@ -243,10 +247,9 @@ def _decode_kernel(
         cos = tl.load(CosSin + pos * stride_cs + d)
         sin = tl.load(CosSin + pos * stride_cs + D + d)
         # SCALE: q|k|v came from the hidden states S unnormalised (the norm's weight folded into q|k|v)
-        scale = row_inv_rms(S, b, stride_s, s_eps, S_N, S_BLOCK) if SCALE else 1.0
-        q = _rope_heads(
-            Q + b * stride_qt + heads[:, None] * stride_qh, QW, eps, hmask[:, None], d, cos, sin, scale, D,
-            NORM, SCALE,
+        q, scale = _rope_heads(
+            Q + b * stride_qt + heads[:, None] * stride_qh, QW, eps, hmask[:, None], d, cos, sin, 1.0, S, b,
+            stride_s, s_eps, D, NORM, SCALE, True, S_N, S_BLOCK,
         )  # fmt: skip
     else:
         q_ptr = Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :]
@@ -289,9 +292,9 @@ def _decode_kernel(
     if ROPE:
         if (start <= seq_len - 1) & (seq_len - 1 < end):  # the split that holds the new token
             one = tl.full([1], 1, tl.int1)
-            k_new = _rope_heads(
-                KNew + b * stride_knt + kvh * stride_knh, KW, eps, one[:, None], d, cos, sin, scale, D, NORM,
-                SCALE,
+            k_new, _ = _rope_heads(
+                KNew + b * stride_knt + kvh * stride_knh, KW, eps, one[:, None], d, cos, sin, scale, S, b,
+                stride_s, s_eps, D, NORM, SCALE, False, S_N, S_BLOCK,
             )  # fmt: skip
             v_new = tl.load(VNew + b * stride_vnt + kvh * stride_vnh + d)[None, :]
             if SCALE:

@@ -37,18 +37,24 @@ def _rotate(
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
-    scale,
+    S,
+    stride_s,
+    s_eps,
     SCALE: tl.constexpr,
+    S_N: tl.constexpr,
+    S_BLOCK: tl.constexpr,
 ):
     """Rotates token t's heads in place and returns the two rotated halves, [BLOCK_H, HALF] each. With SCALE
-    the heads are first multiplied by `scale` (rounded to their dtype, as the projection's output was)."""
+    the heads are first multiplied by row t of S's 1 / rms (rounded to their dtype, as the projection's
+    output was)."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     mask = heads[:, None] < H
     ptr = X + t * stride_t + heads[:, None] * stride_h + d[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
-    if SCALE:
+    if SCALE:  # after the heads' loads are issued, so that both reads are in flight together
+        scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
         x1 = (x1.to(tl.float32) * scale).to(x1.dtype)
         x2 = (x2.to(tl.float32) * scale).to(x2.dtype)
     if NORM:
@@ -124,14 +130,17 @@ def _rope_kernel(
     heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = heads < HK
     # SCALE: q|k|v came from the hidden states S unnormalised (the norm's weight folded into the projection):
-    # each part multiplies by S's 1 / rms first
-    scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK) if SCALE else 1.0
+    # each part multiplies by S's 1 / rms, read after its own loads are issued
     if part <= 0:
-        _rotate(Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM, scale, SCALE)
+        _rotate(
+            Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM, S, stride_s, s_eps,
+            SCALE, S_N, S_BLOCK,
+        )  # fmt: skip
     if part < 0 or part == 1:
         k1, k2 = _rotate(
-            K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM, scale, SCALE
-        )
+            K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM, S, stride_s, s_eps,
+            SCALE, S_N, S_BLOCK,
+        )  # fmt: skip
         if STORE:
             dst = tl.load(Loc + t).to(tl.int64) * stride_ct + heads * stride_ch + d[None, :]
             tl.store(KCache + dst, to_pool(k1, KScale, KCache, FP8, FP8_LIMIT), mask=mask)
@@ -141,7 +150,8 @@ def _rope_kernel(
         src = V + t * stride_vt + heads * stride_vh + d[None, :]
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
-        if SCALE:
+        if SCALE:  # after v's loads are issued
+            scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
             v1 = (v1.to(tl.float32) * scale).to(v1.dtype)
             v2 = (v2.to(tl.float32) * scale).to(v2.dtype)
         tl.store(VCache + dst, to_pool(v1, VScale, VCache, FP8, FP8_LIMIT), mask=mask)

@@ -44,7 +44,7 @@ class AttentionLayer(nn.Module):
     ) -> torch.Tensor:
         """With norm_eps (a layer whose norms are folded: models/llama.py's `fold_norms`), x is the residual
         stream itself: q|k|v are scaled by its rows' 1 / rms where the rotary kernel reads them, and the
-        result is x + o_proj(...), the add in the o projection's epilogue."""
+        result is x + o_proj(...), the add in the o projection's epilogue (written over x: see `linear_add`)."""
         ctx = get_global_ctx()
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim

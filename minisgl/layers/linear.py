@@ -60,12 +60,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight.T with the add in the matmul's epilogue (float32 sums, rounded once): cuBLAS's
-    addmm, or the split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N]."""
+    addmm, or the split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N].
+
+    residual is consumed: the sum may be written over it. cuBLAS adds C in place only; torch's addmm into a
+    fresh output first copies C there, a launch as long as the residual add it was meant to save."""
     if _skinny(x, weight):
         from minisgl.kernel import gemm
 
         return gemm.skinny_matmul(x, weight, residual=residual.contiguous())
-    return torch.addmm(residual, x, weight.t())
+    if not residual.is_contiguous():
+        return torch.addmm(residual, x, weight.t())
+    return residual.addmm_(x, weight.t())
 
 
 def onednn_packing_supported() -> bool:

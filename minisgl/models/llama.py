@@ -30,7 +30,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
         """With norm_eps (the norm before it folded: `DecoderModel.fold_norms`), x is the residual stream:
-        gate|up is scaled by its rows' 1 / rms in the activation kernel, and the result is x + the MLP's."""
+        gate|up is scaled by its rows' 1 / rms in the activation kernel, and the result is x + the MLP's
+        (written over x: see `linear_add`)."""
         if norm_eps is None:
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), (x, norm_eps)), residual=x)
