@@ -111,14 +111,6 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
-        self.GEMM_PDL = EnvVar(
-            "MINISGL_GEMM_PDL",
-            0,
-            "on a Hopper GPU, decode batches of up to 256 rows take the split-K Triton GEMM (kernel/gemm.py) "
-            "for the o and down projections (1) or every projection (2), launched with programmatic dependent "
-            "launch: each asks its weight into L2 while the kernel before it finishes; 3: those products "
-            "without it (a benchmark's baseline); 0: off",
-        )
         self.DECODE_LONGEST_FIRST = EnvVar(
             "MINISGL_DECODE_LONGEST_FIRST",
             32,

@@ -168,7 +168,7 @@ def packed_decode(
     if splits > 1:
         attn._decode_merge_kernel[(bs, hq)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), splits,
-            NUM_QO_HEADS=hq, D=d, BLOCK_D=d, BLOCK_S=triton.next_power_of_2(splits), TRIGGER=False, num_warps=4,
+            NUM_QO_HEADS=hq, D=d, BLOCK_D=d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
         )  # fmt: skip
     return out
 

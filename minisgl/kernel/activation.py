@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.gemm import gdc_launch_dependents, pdl_on
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.utils.misc import div_ceil, next_pow2
@@ -27,10 +26,7 @@ def _silu_and_mul_kernel(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr,
 ):
-    if TRIGGER:  # the down projection after it may start (and read its weight) now (gemm.py's PDL)
-        gdc_launch_dependents()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -59,7 +55,6 @@ def silu_and_mul(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None =
     s = row_scale[0] if row_scale else x
     _silu_and_mul_kernel[(t, div_ceil(n, block))](
         x, y, s, n, x.stride(0), y.stride(0), s.stride(0), row_scale[1] if row_scale else 0.0, BLOCK=block,
-        SCALE=row_scale is not None, S_N=s.shape[-1], S_BLOCK=next_pow2(s.shape[-1]), TRIGGER=pdl_on(x.device),
-        num_warps=4,
+        SCALE=row_scale is not None, S_N=s.shape[-1], S_BLOCK=next_pow2(s.shape[-1]), num_warps=4,
     )  # fmt: skip
     return y

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
-from minisgl.kernel.gemm import gdc_launch_dependents, pdl_on
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
@@ -225,10 +224,7 @@ def _decode_kernel(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr,
 ):
-    if TRIGGER:  # the o projection (or the merge) after it may start now (gemm.py's PDL)
-        gdc_launch_dependents()
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -354,10 +350,7 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    TRIGGER: tl.constexpr,
 ):
-    if TRIGGER:  # the o projection after it may start now (gemm.py's PDL)
-        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -497,7 +490,6 @@ def decode_attention(
         SCALE=scaled is not None,
         S_N=scaled.row_scale[0].shape[-1] if scaled else 1,
         S_BLOCK=next_pow2(scaled.row_scale[0].shape[-1]) if scaled else 1,
-        TRIGGER=pdl_on(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
@@ -514,7 +506,6 @@ def decode_attention(
             D=d,
             BLOCK_D=block_d,
             BLOCK_S=next_pow2(num_splits),
-            TRIGGER=pdl_on(q.device),
             num_warps=4,
         )
     return out

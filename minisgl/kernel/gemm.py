@@ -18,19 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.env import ENV
 from minisgl.kernel.launch import direct_launch
 from minisgl.utils.misc import div_ceil, next_pow2
 
-try:  # programmatic dependent launch (Hopper on): the intrinsics are no-ops where it is off
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without them: PDL stays off (`pdl_capable`)
-    gdc_launch_dependents = gdc_wait = None
-
 # the largest batch served here: above it cuBLAS measured faster on every shape (docs/benchmarks.md)
 MAX_ROWS = 16
-# the largest batch served with programmatic dependent launch (MINISGL_GEMM_PDL): decode batches
-PDL_MAX_ROWS = 256
 _WORKSPACE_FLOATS = 8 << 20  # 32 MiB of float32 partial sums a device
 _COUNTERS = 1 << 16
 
@@ -48,25 +40,8 @@ class GemmConfig:
 def serves(m: int, n: int, k: int) -> bool:
     """Whether this kernel takes an [m, k] x [k, n] product: few rows, and outputs no wider than the
     reduction (o_proj, down_proj), where cuBLAS's few tiles leave most SMs idle; wider outputs (q|k|v,
-    gate|up) it tiles well itself (measured: docs/benchmarks.md, "Decode GEMMs of few rows").
-    With MINISGL_GEMM_PDL (1 or 3: o and down; 2: every product) it also takes decode batches of up to
-    PDL_MAX_ROWS rows."""
-    mode = ENV.GEMM_PDL.value
-    if mode and m <= PDL_MAX_ROWS and (mode == 2 or n <= k):
-        return True
+    gate|up) it tiles well itself (measured: docs/benchmarks.md, "Decode GEMMs of few rows")."""
     return m <= MAX_ROWS and n <= k
-
-
-@cache
-def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels on `device` may be launched with programmatic dependent launch (Hopper on)."""
-    return device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_on(device: torch.device) -> bool:
-    """MINISGL_GEMM_PDL asks for the GEMM's weight to be read into L2 while the kernel before it runs, and
-    that kernel (decode attention, its merge, SiLU, this GEMM) lets it start early."""
-    return ENV.GEMM_PDL.value in (1, 2) and pdl_capable(device)
 
 
 @cache  # called for every few-row product of every step: the answer depends on the shape only
@@ -78,9 +53,6 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     block_k = 128
     tiles = div_ceil(m, block_m) * div_ceil(n, block_n)
     k_blocks = div_ceil(k, block_k)
-    if m > MAX_ROWS:  # decode batches (MINISGL_GEMM_PDL): at most one wave, at most four splits
-        split = max(1, min(k_blocks // 2, sms // tiles, 4))
-        return GemmConfig(block_m, block_n, block_k, split, num_stages=4 if tiles * split <= sms else 3)
     split = max(1, min(k_blocks // 2, div_ceil(sms, tiles)))
     return GemmConfig(block_m, block_n, block_k, split)
 
@@ -109,7 +81,6 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     # row blocks vary fastest, so that the programs of one weight tile run side by side and the
     # tile comes from DRAM once, whatever the number of row blocks
@@ -121,23 +92,6 @@ def _gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PDL:
-        # launched early (programmatic dependent launch): the weight does not depend on the kernel before,
-        # so this program's share of it is asked into L2 while that kernel finishes; x, the residual and
-        # the workspace are read only once it has (gdc_wait). The next kernel may start early likewise.
-        gdc_launch_dependents()
-        rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-        lines = (tl.arange(0, BLOCK_K // 64) * 64)[None, :]  # a 128-byte line every 64 16-bit elements
-        for k0 in range(k_start, k_end, BLOCK_K):
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
-                "=r,l",
-                [W + rows + k0 + lines],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        gdc_wait()
     x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_start + rk)[None, :]
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_start + rk)[None, :]
     m_ok = rm[:, None] < M
@@ -196,11 +150,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def skinny_matmul(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    config: GemmConfig | None = None,
-    residual: torch.Tensor | None = None,
-    pdl: bool | None = None,
+    x: torch.Tensor, w: torch.Tensor, config: GemmConfig | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] @ w.T for w [N, K] (16-bit, contiguous rows), float32 sums, the output in x's dtype; with
     `residual` [M, N], residual + x @ w.T, the add on the float32 sums."""
@@ -221,14 +171,10 @@ def skinny_matmul(
         split, k_per_split = 1, k
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
-    if pdl is None:
-        pdl = pdl_on(x.device)
-    # the launch attribute only where it is on: the interpreter takes no launch options
-    launch = {"launch_pdl": True} if pdl else {}
     _gemm_kernel[(grid_m, grid_n, split)](
         x, w, y, residual if residual is not None else y, part, counters, m, n, k, x.stride(0), w.stride(0),
         y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, split, m * n,
         HAS_SPLIT=split > 1, HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
