@@ -583,6 +583,28 @@ def test_skinny_gemm_serves_the_chosen_tiles_and_an_empty_batch() -> None:
     assert gemm.skinny_matmul(x, torch.randn(32, 64).to(DEVICE, torch.float16)).shape == (0, 32)
 
 
+def test_the_persistent_mlp_half_matches_float32() -> None:
+    """benchmark/offline/mlp_persistent.py's kernel (o, gate|up with SiLU, down): phase by phase on the
+    interpreter (one launch each), fused with its grid barriers on a GPU; the tickets and barrier left at zero."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmark", "offline"))
+    import mlp_persistent as mp
+
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if CUDA else torch.float32  # the interpreter has no bf16 tensor-core tiles
+    wo = torch.randn(mp.H, mp.KO, generator=gen) * mp.KO**-0.5
+    wgu = torch.randn(2 * mp.INTER, mp.H, generator=gen) * mp.H**-0.5
+    wd = torch.randn(mp.H, mp.INTER, generator=gen) * mp.INTER**-0.5
+    a, r = torch.randn(5, mp.KO, generator=gen), torch.randn(5, mp.H, generator=gen)
+    ws = mp.Workspace(torch.device(DEVICE))
+    args = [t.to(DEVICE, dtype) for t in (a, wo, r, wgu, wd)]
+    want = mp.reference(*args[:2], args[2].clone(), *args[3:], 1e-6).float()
+    act = torch.empty(5, mp.INTER, dtype=dtype, device=DEVICE)
+    for fused in (False, True) if CUDA else (False,):
+        got = mp.mlp_half(*args[:2], args[2].clone(), *args[3:], act, ws, 1e-6, 7, fused).float()
+        assert rel_err(got.cpu(), want.cpu()) < (1e-2 if CUDA else 1e-5)
+        assert not ws.counters.any() and not ws.bar.any()
+
+
 def test_the_decode_variant_with_v_transposed_in_pages_matches_the_engine_kernel() -> None:
     """benchmark/offline/decode_vt.py's kernel (V as [page, kv head, dim, slot in page]) on the engine's
     placement with pages of 16: the same attention as the engine's kernel over the plain pool."""
