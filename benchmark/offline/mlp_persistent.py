@@ -174,8 +174,10 @@ class Workspace:
 def mlp_half(
     a: torch.Tensor, wo: torch.Tensor, residual: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, act: torch.Tensor,
     ws: Workspace, eps: float, programs: int, fused: bool, config: tuple[int, int, bool] = (4, 2, False),
+    phases: tuple[int, ...] = (1, 2, 3),
 ) -> torch.Tensor:  # fmt: skip
-    """residual (consumed) + o, then + down(silu(gate) * up) of its normalised rows: the new residual stream."""
+    """residual (consumed) + o, then + down(silu(gate) * up) of its normalised rows: the new residual stream.
+    Not fused, `phases` picks the launches (one alone: its time, the others' work not done)."""
     m = a.shape[0]
     assert m <= BLOCK_M and a.stride(1) == residual.stride(1) == act.stride(1) == 1
     args = (a, wo, residual, wgu, wd, act, ws.part, ws.ss, ws.counters, ws.bar, m, eps, a.stride(0),
@@ -183,7 +185,7 @@ def mlp_half(
     consts = dict(
         H=H, KO=KO, INTER=INTER, BLOCK_M=BLOCK_M, BN=BN, BK=BK, GU_BN=GU_BN, SPLIT_O=SPLIT_O, SPLIT_D=SPLIT_D
     )
-    for phase in (0,) if fused else (1, 2, 3):
+    for phase in (0,) if fused else phases:
         warps, stages, prefetch = config  # prefetch: the later phases' weights asked into L2 at the start
         _mlp_kernel[(programs,)](
             *args, **consts, PHASE=phase, PREFETCH=prefetch and fused, num_warps=warps, num_stages=stages
@@ -264,6 +266,30 @@ def measure(
                     h = mlp_half(a, wo, h, wgu, wd, act, ws, eps, programs, fused, config)
 
         row[f"{name}_ms"] = graph_ms(step)
+    for phase in (1, 2, 3):  # each phase alone, 28 launches: where the phases' time goes
+
+        def alone(phase: int = phase) -> None:
+            for wo, wgu, wd in weights:
+                mlp_half(a, wo, r0, wgu, wd, act, ws, eps, programs, False, configs[0], (phase,))
+
+        row[f"phase{phase}_ms"] = graph_ms(alone)
+    from minisgl.kernel.activation import silu_and_mul
+    from minisgl.layers.linear import linear, linear_add
+
+    gu = torch.empty(m, 2 * INTER, device=dev, dtype=dt)
+    parts = {  # the engine's launches one kind at a time, 28 of each
+        "o": lambda wo, wgu, wd: linear_add(a, wo, r0),
+        "gate_up": lambda wo, wgu, wd: linear(r0, wgu),
+        "silu": lambda wo, wgu, wd: silu_and_mul(gu, (r0, eps)),
+        "down": lambda wo, wgu, wd: linear_add(act, wd, r0),
+    }
+    for name, part in parts.items():
+
+        def kind(part: Callable[..., object] = part) -> None:
+            for w in weights:
+                part(*w)
+
+        row[f"engine_{name}_ms"] = graph_ms(kind)
     return row
 
 
