@@ -65,10 +65,9 @@ def _split_gemm_add(
     BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WRITE_SS: tl.constexpr,
 ):  # fmt: skip
     """Work item `item` of R += X W^T: tile item // SPLIT, K range item % SPLIT; the tile's last ticket adds."""
-    tile = item // SPLIT
     s = item % SPLIT
     rows = tl.arange(0, BLOCK_M)
-    cols = tile * BN + tl.arange(0, BN)
+    cols = (item // SPLIT) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     kpart: tl.constexpr = K // SPLIT
     acc = tl.zeros((BLOCK_M, BN), tl.float32)
@@ -77,6 +76,19 @@ def _split_gemm_add(
                     cache_modifier=".cg")  # fmt: skip
         w = tl.load(W + cols[:, None].to(tl.int64) * K + (k0 + rk)[None, :])
         acc += tl.dot(x, tl.trans(w))
+    _add_partial(acc, R, Part, Counters, SS, item, M, stride_r, N, SPLIT, BLOCK_M, BN, WRITE_SS)
+
+
+@triton.jit
+def _add_partial(
+    acc, R, Part, Counters, SS, item, M, stride_r, N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BN: tl.constexpr, WRITE_SS: tl.constexpr,
+):  # fmt: skip
+    """Item `item`'s partial sums written; the tile's last ticket adds them in split order and the residual."""
+    tile = item // SPLIT
+    s = item % SPLIT
+    rows = tl.arange(0, BLOCK_M)
+    cols = tile * BN + tl.arange(0, BN)
     offs = rows[:, None] * N + cols[None, :]
     tl.store(Part + s * BLOCK_M * N + offs, acc)
     tl.debug_barrier()
@@ -101,11 +113,20 @@ def _mlp_kernel(
     A, Wo, R, Wgu, Wd, Act, Part, SS, Counters, Bar, M, eps, stride_a, stride_r, stride_act,
     H: tl.constexpr, KO: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GU_BN: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr, PHASE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, HOLD: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BK)
+    d_items: tl.constexpr = (H // BN) * SPLIT_D
+    if HOLD:  # this program's down item's weight read into registers now, used after the second barrier
+        tl.static_assert(INTER // SPLIT_D == 3 * BK)
+        d_base = Wd + ((pid % d_items) // SPLIT_D * BN + tl.arange(0, BN))[:, None].to(tl.int64) * INTER
+        d_base += (pid % SPLIT_D) * (INTER // SPLIT_D) + rk[None, :]
+        wd0 = tl.load(d_base)
+        wd1 = tl.load(d_base + BK)
+        wd2 = tl.load(d_base + 2 * BK)
     if PREFETCH:  # the weights of this program's first gate|up and down items asked into L2 before phase 1
         lines = tl.arange(0, H // 64) * 64  # a 128-byte line every 64 bf16 elements
         if pid < INTER // GU_BN:
@@ -129,7 +150,6 @@ def _mlp_kernel(
             tl.load(SS + tl.arange(0, H // BN)[:, None] * BLOCK_M + rows[None, :], cache_modifier=".cg"), 0
         )
         scale = tl.rsqrt(ss / H + eps)[:, None]
-        rk = tl.arange(0, BK)
         for item in range(pid, INTER // GU_BN, progs):
             cols = item * GU_BN + tl.arange(0, GU_BN)
             acc_g = tl.zeros((BLOCK_M, GU_BN), tl.float32)
@@ -150,7 +170,17 @@ def _mlp_kernel(
             tl.store(Act + rows[:, None] * stride_act + cols[None, :], out, mask=rows[:, None] < M)
     if PHASE == 0:
         _barrier(Bar, 2 * progs)
-    if PHASE == 0 or PHASE == 3:
+    if HOLD:
+        if pid < d_items:
+            x_base = Act + rows[:, None] * stride_act + (pid % SPLIT_D) * (INTER // SPLIT_D) + rk[None, :]
+            xm = rows[:, None] < M
+            acc = tl.dot(tl.load(x_base, mask=xm, other=0.0, cache_modifier=".cg"), tl.trans(wd0))
+            acc += tl.dot(tl.load(x_base + BK, mask=xm, other=0.0, cache_modifier=".cg"), tl.trans(wd1))
+            acc += tl.dot(tl.load(x_base + 2 * BK, mask=xm, other=0.0, cache_modifier=".cg"), tl.trans(wd2))
+            _add_partial(
+                acc, R, Part, Counters + H // BN, SS, pid, M, stride_r, H, SPLIT_D, BLOCK_M, BN, False
+            )
+    elif PHASE == 0 or PHASE == 3:
         for item in range(pid, (H // BN) * SPLIT_D, progs):
             _split_gemm_add(Act, Wd, R, Part, Counters + H // BN, SS, item, M, stride_act, stride_r, INTER, H,
                             SPLIT_D, BLOCK_M, BN, BK, False)  # fmt: skip
@@ -173,7 +203,7 @@ class Workspace:
 
 def mlp_half(
     a: torch.Tensor, wo: torch.Tensor, residual: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, act: torch.Tensor,
-    ws: Workspace, eps: float, programs: int, fused: bool, config: tuple[int, int, bool] = (4, 2, False),
+    ws: Workspace, eps: float, programs: int, fused: bool, config: tuple[int, int, int] = (4, 2, 0),
     phases: tuple[int, ...] = (1, 2, 3),
 ) -> torch.Tensor:  # fmt: skip
     """residual (consumed) + o, then + down(silu(gate) * up) of its normalised rows: the new residual stream.
@@ -186,10 +216,12 @@ def mlp_half(
         H=H, KO=KO, INTER=INTER, BLOCK_M=BLOCK_M, BN=BN, BK=BK, GU_BN=GU_BN, SPLIT_O=SPLIT_O, SPLIT_D=SPLIT_D
     )
     for phase in (0,) if fused else phases:
-        warps, stages, prefetch = config  # prefetch: the later phases' weights asked into L2 at the start
+        # mode 1: the later phases' weights asked into L2 at the start; 2: the down weight held in registers
+        warps, stages, mode = config
         _mlp_kernel[(programs,)](
-            *args, **consts, PHASE=phase, PREFETCH=prefetch and fused, num_warps=warps, num_stages=stages
-        )
+            *args, **consts, PHASE=phase, PREFETCH=mode == 1 and fused, HOLD=mode == 2 and fused,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return residual
 
 
@@ -235,10 +267,11 @@ def graph_ms(fn: Callable[[], None], replays: int = 20) -> float:
 
 def measure(
     m: int, weights: list[tuple[torch.Tensor, ...]], ws: Workspace, programs: int, eps: float,
-    configs: list[tuple[int, int, bool]],
+    configs: list[tuple[int, int, int]],
 ) -> dict:  # fmt: skip
     """One layer's error against float32 both ways, then the 28 layers' graph time: the engine's launches, the
-    phases as three launches, the fused kernel in each (warps, stages, prefetch) configuration."""
+    phases as three launches, the fused kernel in each (warps, stages, mode) configuration (mode 0: plain; 1: the
+    later phases' weights asked into L2 at the start; 2: the down weight held in registers from the start)."""
     dev, dt = weights[0][0].device, weights[0][0].dtype
     a = torch.randn(m, KO, device=dev).to(dt)
     r0 = torch.randn(m, H, device=dev).to(dt)
@@ -246,9 +279,10 @@ def measure(
     wo, wgu, wd = weights[0]
     want = reference(a, wo, r0, wgu, wd, eps).float()
     row: dict[str, float] = {}
-    runs: list[tuple[str, bool | None, tuple[int, int, bool]]] = [("engine", None, configs[0])]
+    runs: list[tuple[str, bool | None, tuple[int, int, int]]] = [("engine", None, configs[0])]
     runs.append(("phases", False, configs[0]))
-    runs += [(f"fused_w{w}_s{st}{'_prefetch' if pf else ''}", True, (w, st, pf)) for w, st, pf in configs]
+    suffix = {0: "", 1: "_prefetch", 2: "_hold"}
+    runs += [(f"fused_w{w}_s{st}{suffix[md]}", True, (w, st, md)) for w, st, md in configs]
     for name, fused, config in runs:
         if fused is None:
             got = engine_half(a, wo, r0.clone(), wgu, wd, eps)
@@ -257,7 +291,7 @@ def measure(
         row[f"err_{name}"] = ((got.float() - want).norm() / want.norm()).item()
         assert not ws.bar.any() and not ws.counters.any()
 
-        def step(fused: bool | None = fused, config: tuple[int, int, bool] = config) -> None:
+        def step(fused: bool | None = fused, config: tuple[int, int, int] = config) -> None:
             h = r0.clone()
             for wo, wgu, wd in weights:
                 if fused is None:
@@ -299,12 +333,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--json", default=None)
     p.add_argument(
-        "--configs", default="4,2,0;4,3,0;4,3,1;8,3,1", help="the fused kernel's warps,stages,prefetch; ..."
+        "--configs",
+        default="4,3,0;4,3,1;8,3,2",
+        help="the fused kernel's warps,stages,mode; ... (mode: measure's)",
     )
     args = p.parse_args()
-    configs = [
-        (int(w), int(st), bool(int(pf))) for w, st, pf in (c.split(",") for c in args.configs.split(";"))
-    ]
+    configs = [(int(w), int(st), int(md)) for w, st, md in (c.split(",") for c in args.configs.split(";"))]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     dt, eps = torch.bfloat16, 1e-6
