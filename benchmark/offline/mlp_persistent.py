@@ -1,7 +1,7 @@
 """A decoder layer's o projection, gate|up, SiLU and down projection in one persistent kernel, against the engine's
 four launches (cuBLAS, SiLU, cuBLAS), 28 layers of the Qwen3-0.6B shape in one CUDA graph.
 
-    python benchmark/offline/mlp_persistent.py [--rows 16,32,64] [--json out.json]
+    python benchmark/offline/mlp_persistent.py [--rows 16,32,64] [--configs "4,3,0;4,3,1;8,3,2"] [--json out.json]
 
 Why: a decode step's GEMMs take 5-8 us each for 4-12 MB (1-3 us of bytes), and neither a GEMM of our own nor one
 that asks for its weight before the kernel before it finishes takes that down (docs/benchmarks.md, "The GEMM's own
@@ -18,7 +18,10 @@ The phases (one program an SM, each takes the phase's work items in turn):
 Rounded where the engine's kernels round (the products' float32 sums to bf16, the row scale, silu, the product).
 Barriers: an arrival counter that every program increments and then reads until it holds the phase's target; the
 last program out resets it for the next replay. Under Triton's interpreter (programs one after another) the phases
-run as three launches instead (PHASE 1-3), which is what the CPU test checks.
+run as three launches instead (PHASE 1-3), which is what the CPU test checks. Options of the fused kernel
+(`--configs`, warps,stages,mode): mode 1 asks every program's gate|up and down weights into L2 at the start, mode 2
+loads its down weight into registers at the start. Measured on an H200: slower than the engine in every
+configuration (docs/benchmarks.md, "A layer's MLP half in one persistent kernel").
 """
 
 from __future__ import annotations
