@@ -226,6 +226,23 @@ def test_silu_and_mul_with_a_folded_norms_row_scale_matches_scaling_first() -> N
     assert rel_err(torch_activation.silu_and_mul(x, (hidden, 1e-6)), want) < 1e-6
 
 
+def test_silu_and_mul_whole_row_programs_give_the_blocked_programs_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a prefill's many rows take a program a row (the row scale reduced once); the same bits as the
+    # decode layout's programs of 1,024 columns, here over two of them and a ragged end
+    from minisgl.kernel import activation
+
+    x = (torch.randn(3, 2 * 1100) * 3).to(torch.bfloat16).to(DEVICE)
+    hidden = (torch.randn(3, 40) * 5).to(torch.bfloat16).to(DEVICE)
+    blocked = silu_and_mul(x, (hidden, 1e-6)).cpu()
+    monkeypatch.setattr(activation, "ROWS_WHOLE", 2)
+    whole = silu_and_mul(x, (hidden, 1e-6)).cpu()
+    assert torch.equal(whole.view(torch.int16), blocked.view(torch.int16))
+    want = torch_activation.silu_and_mul(x.cpu(), (hidden.cpu(), 1e-6))
+    assert rel_err(whole, want) < 3e-2  # the torch version rounds the scaled rows once less
+
+
 def test_rotary_in_place_matches_torch() -> None:
     rope = RotaryEmbedding(16, 64, 10000.0, None)
     qkv = torch.randn(6, (4 + 2 + 2) * 16)

@@ -10,6 +10,9 @@ from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.utils.misc import div_ceil, next_pow2
 
+# from this many rows (prefill steps; decode batches stay below it) a program takes a whole row
+ROWS_WHOLE = 1024
+
 
 @direct_launch
 @triton.jit
@@ -51,10 +54,16 @@ def silu_and_mul(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None =
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    block = min(1024, next_pow2(n))
+    # a program per 1,024 columns keeps a decode batch's few rows spread over the SMs; with many rows (a
+    # prefill) a program takes a whole row (up to 16,384 columns), so that a row scale's hidden row is read
+    # and reduced once a row, not once a block: at 8,192 rows of 14,336 those re-reads were more than half
+    # of the kernel's traffic
+    whole_rows = t >= ROWS_WHOLE
+    block = min(16384 if whole_rows else 1024, next_pow2(n))
     s = row_scale[0] if row_scale else x
     _silu_and_mul_kernel[(t, div_ceil(n, block))](
         x, y, s, n, x.stride(0), y.stride(0), s.stride(0), row_scale[1] if row_scale else 0.0, BLOCK=block,
-        SCALE=row_scale is not None, S_N=s.shape[-1], S_BLOCK=next_pow2(s.shape[-1]), num_warps=4,
+        SCALE=row_scale is not None, S_N=s.shape[-1], S_BLOCK=next_pow2(s.shape[-1]),
+        num_warps=8 if block > 1024 else 4,
     )  # fmt: skip
     return y

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.activation import ROWS_WHOLE
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
@@ -43,18 +44,20 @@ def _rotate(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
+    scale,
 ):
     """Rotates token t's heads in place and returns the two rotated halves, [BLOCK_H, HALF] each. With SCALE
     the heads are first multiplied by row t of S's 1 / rms (rounded to their dtype, as the projection's
-    output was)."""
+    output was): SCALE 1 reduces the row here, SCALE 2 takes it as `scale`."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     mask = heads[:, None] < H
     ptr = X + t * stride_t + heads[:, None] * stride_h + d[None, :]
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
-    if SCALE:  # after the heads' loads are issued, so that both reads are in flight together
-        scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
+    if SCALE:
+        if SCALE == 1:  # after the heads' loads are issued, so that both reads are in flight together
+            scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
         x1 = (x1.to(tl.float32) * scale).to(x1.dtype)
         x2 = (x2.to(tl.float32) * scale).to(x2.dtype)
     if NORM:
@@ -130,16 +133,21 @@ def _rope_kernel(
     heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = heads < HK
     # SCALE: q|k|v came from the hidden states S unnormalised (the norm's weight folded into the projection):
-    # each part multiplies by S's 1 / rms, read after its own loads are issued
+    # each of the three programs multiplies by S's 1 / rms, read after its own loads are issued; one program
+    # a token (prefill's many tokens) reduces the row once, for the three parts
+    scale = 1.0
+    part_scale: tl.constexpr = 0 if not SCALE else (1 if SPLIT else 2)
+    if part_scale == 2:
+        scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
     if part <= 0:
         _rotate(
             Q, QW, eps, t, stride_qt, stride_qh, cos, sin, HQ, BLOCK_HQ, HALF, NORM, S, stride_s, s_eps,
-            SCALE, S_N, S_BLOCK,
+            part_scale, S_N, S_BLOCK, scale,
         )  # fmt: skip
     if part < 0 or part == 1:
         k1, k2 = _rotate(
             K, KW, eps, t, stride_kt, stride_kh, cos, sin, HK, BLOCK_HK, HALF, NORM, S, stride_s, s_eps,
-            SCALE, S_N, S_BLOCK,
+            part_scale, S_N, S_BLOCK, scale,
         )  # fmt: skip
         if STORE:
             dst = tl.load(Loc + t).to(tl.int64) * stride_ct + heads * stride_ch + d[None, :]
@@ -150,8 +158,9 @@ def _rope_kernel(
         src = V + t * stride_vt + heads * stride_vh + d[None, :]
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
-        if SCALE:  # after v's loads are issued
-            scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
+        if SCALE:
+            if part_scale == 1:  # after v's loads are issued
+                scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
             v1 = (v1.to(tl.float32) * scale).to(v1.dtype)
             v2 = (v2.to(tl.float32) * scale).to(v2.dtype)
         tl.store(VCache + dst, to_pool(v1, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
@@ -166,15 +175,16 @@ def apply_rotary(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     v: torch.Tensor | None = None,
     dest: KVDestination | None = None,
-    split: bool = True,
+    split: bool | None = None,
     row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (strided views are fine, the last dim contiguous), rotated in place.
 
     With qk_norm = (q weight, k weight, eps), each head is RMS-normalised first, in the same pass.
     With dest (and v, [T, Hk, D]), the rotated K and V are also written into the pool at dest.loc, as
-    store.store_kv writes them. split=False runs one program a token instead of three (q, k, v): the
-    same bits, for the benchmark that compares them.
+    store.store_kv writes them. split=False runs one program a token instead of three (q, k, v), the same
+    bits; by default (None) three up to ROWS_WHOLE tokens (a decode batch: the parts' loads in flight side
+    by side), one from there (a prefill: enough programs anyway, and a row scale reduced once a token).
     With row_scale = (hidden states [T, N], eps), q, k and v are first multiplied by each row's 1 / rms(hidden):
     the norm before the projection, its weight folded into the projection (models/llama.py's `fold_norms`);
     v is scaled where it is stored, so row_scale needs dest.
@@ -188,6 +198,8 @@ def apply_rotary(
         raise ValueError("a row scale needs the K/V destination: v is scaled where it is stored")
     if t == 0:
         return q, k
+    if split is None:
+        split = t < ROWS_WHOLE
     fp8 = False
     if dest is not None:
         assert v is not None and v.shape == k.shape and v.stride(-1) == 1
