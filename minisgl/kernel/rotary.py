@@ -183,7 +183,8 @@ def apply_rotary(
     With qk_norm = (q weight, k weight, eps), each head is RMS-normalised first, in the same pass.
     With dest (and v, [T, Hk, D]), the rotated K and V are also written into the pool at dest.loc, as
     store.store_kv writes them. split=False runs one program a token instead of three (q, k, v), the same
-    bits; by default (None) three up to ROWS_WHOLE tokens (a decode batch: the parts' loads in flight side
+    bits (with a row scale, up to the last bit of its reduction, which the two compiled layouts may round
+    apart); by default (None) three up to ROWS_WHOLE tokens (a decode batch: the parts' loads in flight side
     by side), one from there (a prefill: enough programs anyway, and a row scale reduced once a token).
     With row_scale = (hidden states [T, N], eps), q, k and v are first multiplied by each row's 1 / rms(hidden):
     the norm before the projection, its weight folded into the projection (models/llama.py's `fold_norms`);
