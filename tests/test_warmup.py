@@ -95,3 +95,15 @@ def test_eager_decode_sizes_cover_every_variant_of_the_eager_batches(kv_heads: i
     cpu = fake_engine(256, 0, kv_heads)
     cpu.device = torch.device("cpu")
     assert warmup._eager_decode_sizes(cpu) == []  # type: ignore[arg-type]
+
+
+def test_prefill_lengths_reach_the_whole_row_layouts_on_cuda() -> None:
+    # from ROWS_WHOLE tokens SiLU and the rotary kernel take another layout (another compiled variant): a CUDA
+    # warm-up runs a step that long; a CPU, whose torch kernels have no such variants, does not
+    from minisgl.kernel import ROWS_WHOLE
+
+    dense = SimpleNamespace(num_experts=0, num_experts_per_tok=0)
+    cuda = SimpleNamespace(device=torch.device("cuda"), model_config=dense)
+    cpu = SimpleNamespace(device=torch.device("cpu"), model_config=dense)
+    assert ROWS_WHOLE in warmup._prefill_lengths(cuda)  # type: ignore[arg-type]
+    assert max(warmup._prefill_lengths(cpu)) < ROWS_WHOLE  # type: ignore[arg-type]

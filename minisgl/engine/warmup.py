@@ -11,8 +11,10 @@ Triton compiles a kernel once per combination of its constexpr values, its dtype
 specialises the other arguments on: an integer equal to 1 or divisible by 16, a pointer aligned to
 16 bytes. The variants a workload reaches, and where each is compiled:
 - the model in a prefill (extend attention, rotary with the KV store, norms, activation): one step compiles
-  them for every length, as no argument of theirs depends on the token count; the MoE kernel's row
-  block height follows the tokens per expert, so one step per height (`_prefill_lengths`);
+  them for every length, as no argument of theirs depends on the token count, but for two layouts: from
+  ROWS_WHOLE tokens (minisgl/kernel/__init__.py) SiLU runs a program a row and the rotary kernel a program a
+  token, so one step of that many too; the MoE kernel's row block height follows the tokens per expert,
+  so one step per height (`_prefill_lengths`);
 - the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);
   batches that run eagerly (all of them without graphs, or those above the largest graph) pick the
   attention kernels' tiles, splits and order by their size, so one eager step here runs for each
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kernel import ROWS_WHOLE
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -47,10 +50,13 @@ MIXED = [
 
 
 def _prefill_lengths(engine: Engine) -> list[int]:
-    """Token counts of the plain prefill steps: one token, a few, and on MoE models one step for each
-    row block height of the fused kernel (kernel/moe.py: moe_config picks it from tokens per expert)."""
+    """Token counts of the plain prefill steps: one token, a few, on CUDA the row count from which SiLU and
+    the rotary kernel change layout, and on MoE models one step for each row block height of the fused
+    kernel (kernel/moe.py: moe_config picks it from tokens per expert)."""
     mc = engine.model_config
     lengths = [1, 17]
+    if engine.device.type == "cuda":
+        lengths.append(ROWS_WHOLE)
     if mc.num_experts and mc.num_experts_per_tok:
         for per_expert in (17, 65):
             lengths.append(-(-per_expert * mc.num_experts // mc.num_experts_per_tok))

@@ -10,6 +10,11 @@ from functools import cache
 
 import torch
 
+# from this many rows (prefill steps; decode batches stay below it) SiLU takes a program a row and the rotary
+# kernel a program a token, so that a folded norm's row scale is reduced once a row; the start-up warm-up
+# runs a step of this many tokens to compile those layouts (engine/warmup.py)
+ROWS_WHOLE = 1024
+
 
 @cache
 def triton_available() -> bool:

@@ -6,13 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel import ROWS_WHOLE
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.utils.misc import div_ceil, next_pow2
-
-# from this many rows (prefill steps; decode batches stay below it) a program takes a whole row, here and in
-# the rotary kernel (a whole token): a row scale's hidden row is then reduced once a row
-ROWS_WHOLE = 1024
 
 
 @direct_launch

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.activation import ROWS_WHOLE
+from minisgl.kernel import ROWS_WHOLE
 from minisgl.kernel.launch import direct_launch
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
