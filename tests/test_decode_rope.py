@@ -55,15 +55,7 @@ def _page_table(lens: list[int], page_size: int, g: torch.Generator) -> tuple[to
 @pytest.mark.parametrize("page_size,scaled", [(1, False), (16, True)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize(
-    "tiles",
-    [
-        None,
-        attention.DecodeConfig(16, 4, 2, even=True),
-        attention.DecodeConfig(16, 4, 2, even=True, prefetch=True),
-    ],
-    ids=["chosen", "even", "prefetch"],
-)
+@pytest.mark.parametrize("tiles", [None, attention.DecodeConfig(16, 4, 2, even=True)], ids=["chosen", "even"])
 def test_decode_kernel_rotates_and_stores_as_the_rotary_kernel_does(
     dtype: torch.dtype,
     pool_dtype: torch.dtype,

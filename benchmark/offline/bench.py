@@ -81,9 +81,8 @@ def run_minisgl(
     if args.decode_tiles:
         from minisgl.kernel import attention as attn
 
-        keys, warps, stages, even, *more = (int(x) for x in args.decode_tiles.split(","))
-        regs, prefetch = (more + [0, 0])[:2]
-        attn.DECODE_CONFIG = attn.DecodeConfig(keys, warps, stages, bool(even), regs or None, bool(prefetch))
+        keys, warps, stages, even, *regs = (int(x) for x in args.decode_tiles.split(","))
+        attn.DECODE_CONFIG = attn.DecodeConfig(keys, warps, stages, bool(even), regs[0] if regs else None)
     if args.decode_programs:
         from minisgl.kernel import attention as attn
 
@@ -192,10 +191,9 @@ def main() -> None:
     p.add_argument(
         "--decode-tiles",
         default=None,
-        metavar="KEYS,WARPS,STAGES,EVEN[,MAXNREG[,PREFETCH]]",
+        metavar="KEYS,WARPS,STAGES,EVEN[,MAXNREG]",
         help="GPU: force one decode-attention tile configuration for every batch (e.g. 128,4,3,1; a fifth "
-        "number caps the kernel's registers a thread, 0: the compiler's choice; a sixth, 1, asks for the "
-        "next tile's rows ahead in registers)",
+        "number caps the kernel's registers a thread, 0: the compiler's choice)",
     )
     p.add_argument(
         "--cuda-graph-max-bs",

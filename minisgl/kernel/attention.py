@@ -43,10 +43,6 @@ class DecodeConfig:
     # registers a thread at most (ptxas's .maxnreg; None: the compiler's choice), which sets how many
     # programs an SM holds: 65,536 registers over num_warps * 32 threads
     maxnreg: int | None = None
-    # the next tile's rows asked for before this tile is multiplied, and the page table's slots a tile
-    # further ahead (unmasked full tiles only): a software pipeline in registers, for the tiles Triton's
-    # own pipeline does not take (FP8 rows widened before the dot)
-    prefetch: bool = False
 
 
 # measured on an H200 (docs/benchmarks.md, "Decode attention: unmasked full tiles"): wide masked tiles once
@@ -221,7 +217,6 @@ def _decode_kernel(
     FP8: tl.constexpr,
     HALF: tl.constexpr,
     EVEN: tl.constexpr,
-    PREFETCH: tl.constexpr,
     ROPE: tl.constexpr,
     NORM: tl.constexpr,
     FP8_LIMIT: tl.constexpr,
@@ -277,36 +272,14 @@ def _decode_kernel(
     tail = start
     if EVEN:  # BLOCK_D == D: every full tile without a mask, then at most one masked tile
         tail = start + tl.maximum(pool_end - start, 0) // BLOCK_N * BLOCK_N
-        if PREFETCH:
-            # tile n's rows were asked for during tile n - 1, their slots during tile n - 2: no load waits
-            # on another inside the loop. Past `tail` the slots read as 0, a row that is there and unused.
-            table = PageTable + row * stride_pt
-            offs = start + tl.arange(0, BLOCK_N)
-            slots = tl.load(table + offs, mask=offs < tail, other=0).to(tl.int64)
+        for n in range(start, tail, BLOCK_N):
+            offs = n + tl.arange(0, BLOCK_N)
+            slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
+            # K and V share one layout: one tile of offsets (int64 a element, registers) serves both
             at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k_next = tl.load(K + at)
-            v_next = tl.load(V + at)
-            offs = offs + BLOCK_N
-            slots = tl.load(table + offs, mask=offs < tail, other=0).to(tl.int64)
-            for n in range(start, tail, BLOCK_N):
-                k = k_next
-                v = v_next
-                at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-                k_next = tl.load(K + at)
-                v_next = tl.load(V + at)
-                ahead = n + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-                slots = tl.load(table + ahead, mask=ahead < tail, other=0).to(tl.int64)
-                offs = n + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
-        else:
-            for n in range(start, tail, BLOCK_N):
-                offs = n + tl.arange(0, BLOCK_N)
-                slots = tl.load(PageTable + row * stride_pt + offs).to(tl.int64)
-                # K and V share one layout: one tile of offsets (int64 a element, registers) serves both
-                at = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-                k = tl.load(K + at)
-                v = tl.load(V + at)
-                m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
+            k = tl.load(K + at)
+            v = tl.load(V + at)
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, qk_scale, offs < end, False, PRECISION)
     for n in range(tail, pool_end, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         nmask = offs < pool_end
@@ -510,7 +483,6 @@ def decode_attention(
         FP8=fp8,
         HALF=fp8 and q.dtype != torch.float32,
         EVEN=cfg.even and block_d == d,
-        PREFETCH=cfg.prefetch and cfg.even and block_d == d,
         ROPE=rope is not None,
         NORM=norm,
         FP8_LIMIT=FP8_MAX,
