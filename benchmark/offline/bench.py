@@ -87,6 +87,11 @@ def run_minisgl(
         from minisgl.kernel import attention as attn
 
         attn.TARGET_PROGRAMS = args.decode_programs
+    if args.decode_cuda:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from decode_cuda import install
+
+        install(args.decode_cuda)
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -203,6 +208,15 @@ def main() -> None:
         help="GPU: decode graphs up to N rows (0: none, larger batches eager; default: the engine's)",
     )
     p.add_argument(
+        "--decode-cuda",
+        type=int,
+        default=0,
+        choices=[0, 2, 4],
+        metavar="U",
+        help="GPU: decode attention by decode_cuda.py's CUDA kernel where it applies, U keys a thread group a "
+        "step (2 or 4; 0: the engine's Triton kernel)",
+    )
+    p.add_argument(
         "--decode-programs",
         type=int,
         default=0,
@@ -274,6 +288,7 @@ def main() -> None:
             "--page-size": args.page_size != 1,
             "--decode-tiles": args.decode_tiles,
             "--decode-programs": args.decode_programs,
+            "--decode-cuda": args.decode_cuda,
             "--peer-batch": args.peer_batch,
             "--peer-requests": args.peer_requests,
             "--kv-cache-dtype": args.kv_cache_dtype not in (None, "auto"),

@@ -342,26 +342,40 @@ class CudaModule:
 
 
 def decode_cuda(
-    mod: CudaModule, c: Any, num_splits: int, sm_scale: float, unroll: int, order: Any = None
+    mod: CudaModule,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    page_table: Any,
+    rows: Any,
+    seq_lens: Any,
+    num_splits: int,
+    sm_scale: float,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    order: Any = None,
+    unroll: int = 2,
 ) -> Any:
-    """The engine's decode_attention over a kv_layout.DecodeCase, by the CUDA kernel (+ the Triton merge)."""
+    """`minisgl.kernel.attention.decode_attention`'s work (no rotary inside) by the CUDA kernel, splits merged by
+    the engine's Triton merge kernel."""
     import torch
 
     from minisgl.kernel import attention as attn
 
-    bs, hq, d = c.q.shape
-    hk = c.k.shape[1]
-    fp8 = c.k.dtype == torch.float8_e4m3fn
-    out = torch.empty_like(c.q)
-    mid_o = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=c.q.device)
-    mid_lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=c.q.device)
-    dummy = c.seq
+    bs, hq, d = q.shape
+    hk = k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
+    mid_o = mid_lse = out  # one split writes the output itself
+    if num_splits > 1:
+        mid_o = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
     args = [
-        c.q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(), out.data_ptr(), mid_o.data_ptr(), mid_lse.data_ptr(),
-        c.table.data_ptr(), c.rows.data_ptr(), c.seq.data_ptr(), order.data_ptr() if order is not None else 0,
-        (c.scales[0] if fp8 else dummy).data_ptr(), (c.scales[1] if fp8 else dummy).data_ptr(),
-        ctypes.c_int64(c.q.stride(0)), ctypes.c_int64(c.q.stride(1)), ctypes.c_int64(c.k.stride(0)),
-        ctypes.c_int64(c.k.stride(1)), ctypes.c_int64(c.table.stride(0)), ctypes.c_int64(out.stride(0)),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), mid_o.data_ptr(), mid_lse.data_ptr(),
+        page_table.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), order.data_ptr() if order is not None else 0,
+        k_scale.data_ptr() if fp8 else 0, v_scale.data_ptr() if fp8 else 0,
+        ctypes.c_int64(q.stride(0)), ctypes.c_int64(q.stride(1)), ctypes.c_int64(k_cache.stride(0)),
+        ctypes.c_int64(k_cache.stride(1)), ctypes.c_int64(page_table.stride(0)), ctypes.c_int64(out.stride(0)),
         ctypes.c_int64(out.stride(1)), ctypes.c_int32(hq), ctypes.c_int32(num_splits),
         ctypes.c_float(sm_scale * 1.4426950408889634),
     ]  # fmt: skip
@@ -373,6 +387,32 @@ def decode_cuda(
             BLOCK_S=max(2, 1 << (num_splits - 1).bit_length()), num_warps=4,
         )  # fmt: skip
     return out
+
+
+def install(unroll: int) -> None:
+    """Route the engine's decode attention through the CUDA kernel where it applies (a bf16 query, head dim 128,
+    1, 2 or 4 query heads a KV head, no rotary inside); the Triton kernel elsewhere. For bench.py's
+    --decode-cuda: compiled and loaded here, before any CUDA graph is captured."""
+    import torch
+
+    import minisgl.attention.triton_backend as backend
+    from minisgl.kernel import attention as attn
+
+    torch.zeros(1, device="cuda")  # the primary context current on this thread, for the driver calls
+    major, minor = torch.cuda.get_device_capability()
+    mod = CudaModule(compile_cubin(f"sm_{major}{minor}")[0])
+    triton_decode = attn.decode_attention
+
+    def routed(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, sm_scale, k_scale=None, v_scale=None,
+               rope=None, order=None):  # fmt: skip  # noqa: ANN001, ANN202
+        hq, d = q.shape[1], q.shape[2]
+        if rope is None and d == 128 and q.dtype == torch.bfloat16 and hq // k_cache.shape[1] in GROUPS:
+            return decode_cuda(mod, q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, sm_scale,
+                               k_scale, v_scale, order, unroll)  # fmt: skip
+        return triton_decode(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, sm_scale, k_scale,
+                             v_scale, rope, order)  # fmt: skip
+
+    backend.decode_attention = routed
 
 
 def run_batch(mod: CudaModule, bs: int, fp8: bool, hk: int = 8, d: int = 128) -> list[dict[str, Any]]:
@@ -395,7 +435,9 @@ def run_batch(mod: CudaModule, bs: int, fp8: bool, hk: int = 8, d: int = 128) ->
         for unroll in UNROLLS:
 
             def cuda(u: int = unroll, s: int = splits) -> Any:
-                return decode_cuda(mod, c, s, d**-0.5, u, order)
+                return decode_cuda(
+                    mod, c.q, c.k, c.v, c.table, c.rows, c.seq, s, d**-0.5, *c.scales, order, u
+                )
 
             diff = (cuda().float() - ref).abs().max().item()
             rows.append(
