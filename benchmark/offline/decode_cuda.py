@@ -332,9 +332,8 @@ class CudaModule:
 
     def launch(self, name: str, grid: tuple[int, int, int], block: int, args: list[Any], stream: int) -> None:
         holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
-        params = (ctypes.c_void_p * len(holders))(
-            *[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders]
-        )
+        # cuLaunchKernel takes an array of pointers to each argument's value
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
         rc = self.cuda.cuLaunchKernel(
             self.function(name), *grid, block, 1, 1, 0, ctypes.c_void_p(stream), params, None
         )
