@@ -38,7 +38,9 @@ UNROLLS = (2, 4)  # keys a group of 8 threads loads per step
 CUDA_SRC = r"""
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
+#ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
