@@ -91,7 +91,7 @@ def run_minisgl(
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from decode_cuda import install
 
-        install(args.decode_cuda)
+        install(tuple(int(x) for x in args.decode_cuda.split(",")))
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -209,12 +209,10 @@ def main() -> None:
     )
     p.add_argument(
         "--decode-cuda",
-        type=int,
-        default=0,
-        choices=[0, 2, 4],
-        metavar="U",
+        default=None,
+        metavar="U,LANES",
         help="GPU: decode attention by decode_cuda.py's CUDA kernel where it applies, U keys a thread group a "
-        "step (2 or 4; 0: the engine's Triton kernel)",
+        "step and LANES threads a key (one of its VARIANTS, e.g. 2,8; default: the engine's Triton kernel)",
     )
     p.add_argument(
         "--decode-programs",

@@ -33,7 +33,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GROUPS = (1, 2, 4)  # query heads a KV head
-UNROLLS = (2, 4)  # keys a group of 8 threads loads per step
+# (keys a thread group loads per step, threads a key): 8 threads take 16 dims each (FP8: one 16-byte load a row),
+# 4 take 32 (two loads a row, one shuffle fewer a score)
+VARIANTS = ((2, 8), (4, 8), (2, 4))
 
 CUDA_SRC = r"""
 typedef unsigned short bf16_t;
@@ -59,39 +61,39 @@ __device__ __forceinline__ void e4m3x2_to_f32(unsigned short two, float& a, floa
     asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
 }
 
-// one thread's 16 elements of a row: 16 bytes of e4m3, or 32 bytes of bf16
-template <bool FP8> struct Row { uint4 w[FP8 ? 1 : 2]; };
+// one thread's N elements of a row (N = 16 or 32): N bytes of e4m3, or 2N bytes of bf16, in 16-byte words
+template <bool FP8, int N> struct Row { uint4 w[N * (FP8 ? 1 : 2) / 16]; };
 
-template <bool FP8>
-__device__ __forceinline__ Row<FP8> load_row(const char* p) {
-    Row<FP8> r;
-    r.w[0] = __ldg(reinterpret_cast<const uint4*>(p));
-    if (!FP8) r.w[1] = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+template <bool FP8, int N>
+__device__ __forceinline__ Row<FP8, N> load_row(const char* p) {
+    Row<FP8, N> r;
+#pragma unroll
+    for (int i = 0; i < N * (FP8 ? 1 : 2) / 16; ++i) r.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
     return r;
 }
 
-template <bool FP8>
-__device__ __forceinline__ void widen(const Row<FP8>& r, float* f) {
+template <bool FP8, int N>
+__device__ __forceinline__ void widen(const Row<FP8, N>& r, float* f) {
+    const u32* w = reinterpret_cast<const u32*>(&r.w[0]);
     if (FP8) {
-        const u32* w = reinterpret_cast<const u32*>(&r.w[0]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < N / 4; ++i) {
             e4m3x2_to_f32(w[i] & 0xffff, f[4 * i], f[4 * i + 1]);
             e4m3x2_to_f32(w[i] >> 16, f[4 * i + 2], f[4 * i + 3]);
         }
     } else {
-        const u32* w = reinterpret_cast<const u32*>(&r.w[0]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < N / 2; ++i) {
             f[2 * i] = bf16_to_f32(w[i] & 0xffff);
             f[2 * i + 1] = bf16_to_f32(w[i] >> 16);
         }
     }
 }
 
-// grid (KV heads, requests, splits), 128 threads: 16 groups of 8, a group one key at a time, a thread 16 dims.
+// grid (KV heads, requests, splits), 128 threads: groups of LANES threads (8 or 4), a group one key at a time, a
+// thread 128 / LANES dims.
 // Scores are kept in base 2: q is multiplied by sm_scale * log2(e) (and the FP8 pool's K scale) once.
-template <int G, int U, bool FP8>
+template <int G, int U, int LANES, bool FP8>
 __device__ __forceinline__ void decode_body(
     const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
     float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
@@ -99,7 +101,7 @@ __device__ __forceinline__ void decode_body(
     const float* __restrict__ KScale, const float* __restrict__ VScale, long long stride_qt, long long stride_qh,
     long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,
     int num_qo_heads, int num_splits, float qk_scale) {
-    constexpr int D = 128, LANES = 8, DPT = 16, GROUPS = 16, STEP = GROUPS * U, ES = FP8 ? 1 : 2;
+    constexpr int D = 128, DPT = D / LANES, GROUPS = 128 / LANES, STEP = GROUPS * U, ES = FP8 ? 1 : 2;
     const int kvh = blockIdx.x;
     const int b = Order != nullptr ? Order[blockIdx.y] : blockIdx.y;
     const int s = blockIdx.z;
@@ -116,10 +118,7 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
     for (int h = 0; h < G; ++h) {
         const bf16_t* qp = Q + b * stride_qt + (kvh * G + h) * stride_qh + sub * DPT;
-        Row<false> qr;
-        qr.w[0] = __ldg(reinterpret_cast<const uint4*>(qp));
-        qr.w[1] = __ldg(reinterpret_cast<const uint4*>(qp) + 1);
-        widen<false>(qr, q[h]);
+        widen<false, DPT>(load_row<false, DPT>(reinterpret_cast<const char*>(qp)), q[h]);
 #pragma unroll
         for (int d = 0; d < DPT; ++d) q[h][d] *= scale;
     }
@@ -136,18 +135,18 @@ __device__ __forceinline__ void decode_body(
     const long long col = ((long long)kvh * stride_kh + sub * DPT) * ES;  // this thread's bytes in a row
     // rows of step i are asked for during step i - 1, their slots during step i - 2
     int slot_next[U];
-    Row<FP8> k_next[U], v_next[U];
+    Row<FP8, DPT> k_next[U], v_next[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int pos = start + grp * U + u;
         const long long slot = pos < end ? table[pos] : 0;
-        k_next[u] = load_row<FP8>(K + slot * stride_kt * ES + col);
-        v_next[u] = load_row<FP8>(V + slot * stride_kt * ES + col);
+        k_next[u] = load_row<FP8, DPT>(K + slot * stride_kt * ES + col);
+        v_next[u] = load_row<FP8, DPT>(V + slot * stride_kt * ES + col);
         const int ahead = pos + STEP;
         slot_next[u] = ahead < end ? table[ahead] : 0;
     }
     for (int base = start; base < end; base += STEP) {
-        Row<FP8> kc[U], vc[U];
+        Row<FP8, DPT> kc[U], vc[U];
         const bool more = base + STEP < end;  // the same for the whole block: no divergence
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -155,8 +154,8 @@ __device__ __forceinline__ void decode_body(
             vc[u] = v_next[u];
             if (more) {
                 const long long slot = slot_next[u];
-                k_next[u] = load_row<FP8>(K + slot * stride_kt * ES + col);
-                v_next[u] = load_row<FP8>(V + slot * stride_kt * ES + col);
+                k_next[u] = load_row<FP8, DPT>(K + slot * stride_kt * ES + col);
+                v_next[u] = load_row<FP8, DPT>(V + slot * stride_kt * ES + col);
                 const int ahead = base + 2 * STEP + grp * U + u;
                 slot_next[u] = ahead < end ? table[ahead] : 0;
             }
@@ -165,15 +164,14 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             float kf[DPT];
-            widen<FP8>(kc[u], kf);
+            widen<FP8, DPT>(kc[u], kf);
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 float a = 0.0f;
 #pragma unroll
                 for (int d = 0; d < DPT; ++d) a = fmaf(q[h][d], kf[d], a);
-                a += __shfl_xor_sync(0xffffffffu, a, 4);
-                a += __shfl_xor_sync(0xffffffffu, a, 2);
-                a += __shfl_xor_sync(0xffffffffu, a, 1);
+#pragma unroll
+                for (int o = LANES / 2; o > 0; o /= 2) a += __shfl_xor_sync(0xffffffffu, a, o);
                 sc[u][h] = base + grp * U + u < end ? a : -INFINITY;
             }
         }
@@ -194,7 +192,7 @@ __device__ __forceinline__ void decode_body(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             float vf[DPT];
-            widen<FP8>(vc[u], vf);
+            widen<FP8, DPT>(vc[u], vf);
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 l[h] += sc[u][h];
@@ -204,7 +202,7 @@ __device__ __forceinline__ void decode_body(
         }
     }
 
-    // the 16 groups' (max, sum, output) joined, one query head at a time; thread t then owns dim t
+    // the groups' (max, sum, output) joined, one query head at a time; thread t then owns dim t
     __shared__ float sm_m[GROUPS], sm_l[GROUPS];
     __shared__ float sm_acc[GROUPS][D];
 #pragma unroll
@@ -240,31 +238,33 @@ __device__ __forceinline__ void decode_body(
     }
 }
 
-#define DECODE_KERNEL(NAME, G, U, FP8)                                                                          \
+#define DECODE_KERNEL(NAME, G, U, LANES, FP8)                                                                          \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
         const bf16_t* Q, const char* K, const char* V, bf16_t* Out, float* MidO, float* MidLse,                \
         const int* PageTable, const int* Rows, const int* SeqLens, const int* Order, const float* KScale,      \
         const float* VScale, long long stride_qt, long long stride_qh, long long stride_kt, long long stride_kh, \
         long long stride_pt, long long stride_ot, long long stride_oh, int num_qo_heads, int num_splits,       \
         float qk_scale) {                                                                                      \
-        decode_body<G, U, FP8>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,    \
+        decode_body<G, U, LANES, FP8>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,    \
                                stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh,    \
                                num_qo_heads, num_splits, qk_scale);                                            \
     }
 """
 
 
-def kernel_name(group: int, unroll: int, fp8: bool) -> str:
-    return f"decode_{'fp8' if fp8 else 'bf16'}_g{group}_u{unroll}"
+def kernel_name(group: int, variant: tuple[int, int], fp8: bool) -> str:
+    unroll, lanes = variant
+    return f"decode_{'fp8' if fp8 else 'bf16'}_g{group}_u{unroll}_l{lanes}"
 
 
 def full_source() -> str:
     lines = [CUDA_SRC]
     for g in GROUPS:
-        for u in UNROLLS:
+        for variant in VARIANTS:
             for fp8 in (True, False):
+                name = kernel_name(g, variant, fp8)
                 lines.append(
-                    f"DECODE_KERNEL({kernel_name(g, u, fp8)}, {g}, {u}, {'true' if fp8 else 'false'})"
+                    f"DECODE_KERNEL({name}, {g}, {variant[0]}, {variant[1]}, {'true' if fp8 else 'false'})"
                 )
     return "\n".join(lines) + "\n"
 
@@ -355,7 +355,7 @@ def decode_cuda(
     k_scale: Any = None,
     v_scale: Any = None,
     order: Any = None,
-    unroll: int = 2,
+    variant: tuple[int, int] = VARIANTS[0],
 ) -> Any:
     """`minisgl.kernel.attention.decode_attention`'s work (no rotary inside) by the CUDA kernel, splits merged by
     the engine's Triton merge kernel."""
@@ -381,7 +381,7 @@ def decode_cuda(
         ctypes.c_float(sm_scale * 1.4426950408889634),
     ]  # fmt: skip
     stream = torch.cuda.current_stream().cuda_stream
-    mod.launch(kernel_name(hq // hk, unroll, fp8), (hk, bs, num_splits), 128, args, stream)
+    mod.launch(kernel_name(hq // hk, variant, fp8), (hk, bs, num_splits), 128, args, stream)
     if num_splits > 1:
         attn._decode_merge_kernel[(bs, hq)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, NUM_QO_HEADS=hq, D=d, BLOCK_D=d,
@@ -390,7 +390,7 @@ def decode_cuda(
     return out
 
 
-def install(unroll: int) -> None:
+def install(variant: tuple[int, int]) -> None:
     """Route the engine's decode attention through the CUDA kernel where it applies (a bf16 query, head dim 128,
     1, 2 or 4 query heads a KV head, no rotary inside); the Triton kernel elsewhere. For bench.py's
     --decode-cuda: compiled and loaded here, before any CUDA graph is captured."""
@@ -409,7 +409,7 @@ def install(unroll: int) -> None:
         hq, d = q.shape[1], q.shape[2]
         if rope is None and d == 128 and q.dtype == torch.bfloat16 and hq // k_cache.shape[1] in GROUPS:
             return decode_cuda(mod, q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, sm_scale,
-                               k_scale, v_scale, order, unroll)  # fmt: skip
+                               k_scale, v_scale, order, variant)  # fmt: skip
         return triton_decode(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, sm_scale, k_scale,
                              v_scale, rope, order)  # fmt: skip
 
@@ -433,23 +433,20 @@ def run_batch(mod: CudaModule, bs: int, fp8: bool, hk: int = 8, d: int = 128) ->
 
         ref = triton().float()
         rows.append(dict(bs=bs, fp8=fp8, kernel="triton", splits=splits, us=graph_us(triton)))
-        for unroll in UNROLLS:
+        for variant in VARIANTS:
 
-            def cuda(u: int = unroll, s: int = splits) -> Any:
+            def cuda(v: tuple[int, int] = variant, s: int = splits) -> Any:
                 return decode_cuda(
-                    mod, c.q, c.k, c.v, c.table, c.rows, c.seq, s, d**-0.5, *c.scales, order, u
+                    mod, c.q, c.k, c.v, c.table, c.rows, c.seq, s, d**-0.5, *c.scales, order, v
                 )
 
             diff = (cuda().float() - ref).abs().max().item()
-            rows.append(
-                dict(
-                    bs=bs, fp8=fp8, kernel=f"cuda u{unroll}", splits=splits, us=graph_us(cuda), max_diff=diff
-                )
-            )
+            name = f"cuda {variant[0]},{variant[1]}"
+            rows.append(dict(bs=bs, fp8=fp8, kernel=name, splits=splits, us=graph_us(cuda), max_diff=diff))
     for r in rows:
         r["tb_s"] = c.kv_bytes / r["us"] / 1e6
         print(
-            f"bs={bs} {'fp8 ' if fp8 else 'bf16'} {r['kernel']:>8} splits={r['splits']}: {r['us']:7.1f} us "
+            f"bs={bs} {'fp8 ' if fp8 else 'bf16'} {r['kernel']:>10} splits={r['splits']}: {r['us']:7.1f} us "
             f"({r['tb_s']:.2f} TB/s)"
             + (f", max diff against Triton {r['max_diff']:.2e}" if "max_diff" in r else ""),
             flush=True,
