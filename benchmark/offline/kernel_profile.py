@@ -3,6 +3,7 @@ torch profiler (CUPTI) around one prefill step and one decode step at the full b
 kernels are reported one by one).
 
     python benchmark/offline/kernel_profile.py --model FOLDER [--kv-cache-dtype fp8_e4m3] [--json out.json]
+        [--decode-batches 256,64] [--decode-cuda U,LANES]
 
 Prints, for each profiled step, its kernels grouped by name (total microseconds, launches, share of the
 step's kernel time) and the step's kernel time against its wall time between the two synchronisations.
@@ -59,6 +60,17 @@ def main() -> None:
         "--decode-step", type=int, default=100, help="profile the Nth decode step of the full batch"
     )
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument(
+        "--decode-batches",
+        default=None,
+        help="comma-separated batch sizes: besides the full batch's step, profile the first decode step at or "
+        "below each (the batch shrinks as requests finish)",
+    )
+    p.add_argument(
+        "--decode-cuda",
+        default=None,
+        help="decode attention by decode_cuda.py's kernel (U,LANES), as bench.py",
+    )
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -66,6 +78,12 @@ def main() -> None:
 
     from minisgl import LLM, SamplingParams
 
+    if args.decode_cuda:
+        from decode_cuda import install
+
+        install(tuple(int(x) for x in args.decode_cuda.split(",")))  # type: ignore[arg-type]
+    smaller = sorted((int(b) for b in (args.decode_batches or "").split(",") if b), reverse=True)
+    smaller = [b for b in smaller if b < args.requests]
     llm = LLM(
         args.model,
         max_running_req=args.requests,
@@ -77,15 +95,19 @@ def main() -> None:
     forward = llm.engine.forward_batch
     seen = {"prefill": 0, "decode": 0}
     want = {"prefill": 3, "decode": args.decode_step}
-    result: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype}
+    result: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype, "decode_cuda": args.decode_cuda}
 
     def profiled(forward_input: Any) -> Any:
         batch = forward_input.batch
         phase = batch.phase
-        full = phase == "prefill" or batch.size == args.requests
-        seen[phase] += full
-        if not full or seen[phase] != want[phase]:
-            return forward(forward_input)
+        key = phase
+        if phase == "decode" and smaller and batch.size <= smaller[0]:
+            key = f"decode_{smaller.pop(0)}"  # the first step at or below the next size asked for
+        else:
+            full = phase == "prefill" or batch.size == args.requests
+            seen[phase] += full
+            if not full or seen[phase] != want[phase]:
+                return forward(forward_input)
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -96,7 +118,7 @@ def main() -> None:
         total = max(sum(r["us"] for r in table), 1e-9)  # none without CUDA
         tokens = int(batch.input_ids.numel())
         span = kernel_span_us(prof)
-        result[phase] = {
+        result[key] = {
             "batch": batch.size,
             "tokens": tokens,
             "wall_us": wall_us,
@@ -104,10 +126,10 @@ def main() -> None:
             "span_us": span,
             "launches": sum(r["count"] for r in table),
         }
-        result[phase]["kernels"] = table
+        result[key]["kernels"] = table
         print(
             f"{phase} step, batch {batch.size}: kernels {total:.0f} us of {wall_us:.0f} us wall, "
-            f"{result[phase]['launches']} kernels in a span of {span:.0f} us",
+            f"{result[key]['launches']} kernels in a span of {span:.0f} us",
             flush=True,
         )
         for r in table[:14]:
