@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	# Triton without a GPU (a GPU's torch build brings its own): the tests run the CUDA path's kernels in
 	# its interpreter (TRITON_INTERPRET=1)
 	$(PY) -m pip install -q triton==3.9.0
+	# NVRTC without a GPU (a GPU's torch build brings its own): the tests compile the CUDA kernels for Hopper
+	$(PY) -m pip install -q nvidia-cuda-nvrtc-cu12==12.8.93
 	touch $@
 
 install: $(VENV)/.installed

@@ -118,6 +118,14 @@ class _Env:
             "longest context first (kernel/attention.py's decode_order), so that on uneven contexts the last "
             "wave is short (faster from 32 rows on an H200, slower at 16; docs/benchmarks.md); 0: never",
         )
+        self.DECODE_CUDA = EnvVar(
+            "MINISGL_DECODE_CUDA",
+            True,
+            "with the Triton attention backend on CUDA, decode attention by the CUDA C++ kernel "
+            "(minisgl/kernel/cuda/decode.cu, compiled by NVRTC on first use) where it applies: a bf16 "
+            "query, head dim 128, 1, 2 or 4 query heads a KV head (15-25% faster on an FP8 pool on an H200; "
+            "docs/benchmarks.md); 0: the Triton kernel everywhere",
+        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
             16,

@@ -87,11 +87,6 @@ def run_minisgl(
         from minisgl.kernel import attention as attn
 
         attn.TARGET_PROGRAMS = args.decode_programs
-    if args.decode_cuda:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from decode_cuda import install
-
-        install(tuple(int(x) for x in args.decode_cuda.split(",")))
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -208,13 +203,6 @@ def main() -> None:
         help="GPU: decode graphs up to N rows (0: none, larger batches eager; default: the engine's)",
     )
     p.add_argument(
-        "--decode-cuda",
-        default=None,
-        metavar="U,LANES",
-        help="GPU: decode attention by decode_cuda.py's CUDA kernel where it applies, U keys a thread group a "
-        "step and LANES threads a key (one of its VARIANTS, e.g. 2,8; default: the engine's Triton kernel)",
-    )
-    p.add_argument(
         "--decode-programs",
         type=int,
         default=0,
@@ -286,7 +274,6 @@ def main() -> None:
             "--page-size": args.page_size != 1,
             "--decode-tiles": args.decode_tiles,
             "--decode-programs": args.decode_programs,
-            "--decode-cuda": args.decode_cuda,
             "--peer-batch": args.peer_batch,
             "--peer-requests": args.peer_requests,
             "--kv-cache-dtype": args.kv_cache_dtype not in (None, "auto"),

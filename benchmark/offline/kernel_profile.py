@@ -3,7 +3,7 @@ torch profiler (CUPTI) around one prefill step and one decode step at the full b
 kernels are reported one by one).
 
     python benchmark/offline/kernel_profile.py --model FOLDER [--kv-cache-dtype fp8_e4m3] [--json out.json]
-        [--decode-batches 256,64] [--decode-cuda U,LANES]
+        [--decode-batches 256,64]
 
 Prints, for each profiled step, its kernels grouped by name (total microseconds, launches, share of the
 step's kernel time) and the step's kernel time against its wall time between the two synchronisations.
@@ -66,11 +66,6 @@ def main() -> None:
         help="comma-separated batch sizes: besides the full batch's step, profile the first decode step at or "
         "below each (the batch shrinks as requests finish)",
     )
-    p.add_argument(
-        "--decode-cuda",
-        default=None,
-        help="decode attention by decode_cuda.py's kernel (U,LANES), as bench.py",
-    )
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -78,10 +73,6 @@ def main() -> None:
 
     from minisgl import LLM, SamplingParams
 
-    if args.decode_cuda:
-        from decode_cuda import install
-
-        install(tuple(int(x) for x in args.decode_cuda.split(",")))  # type: ignore[arg-type]
     smaller = sorted((int(b) for b in (args.decode_batches or "").split(",") if b), reverse=True)
     smaller = [b for b in smaller if b < args.requests]
     llm = LLM(
@@ -95,7 +86,7 @@ def main() -> None:
     forward = llm.engine.forward_batch
     seen = {"prefill": 0, "decode": 0}
     want = {"prefill": 3, "decode": args.decode_step}
-    result: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype, "decode_cuda": args.decode_cuda}
+    result: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype}
 
     def profiled(forward_input: Any) -> Any:
         batch = forward_input.batch

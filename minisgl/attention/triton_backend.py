@@ -25,10 +25,15 @@ from minisgl.kernel.attention import (
     extend_attention,
     ordered_from,
 )
+from minisgl.kernel.cuda import CudaUnavailable
+from minisgl.kernel.cuda.decode import HEAD_DIM, CudaDecode
 from minisgl.kernel.store import store_kv
-from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
+from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import next_pow2
 from minisgl.utils.torch_utils import pin
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -41,6 +46,19 @@ class TritonAttnMetadata:
     max_q_len: int = 1
     num_splits: int = 1  # decode: splits along the sequence
     order: torch.Tensor | None = None  # [B] decode, MINISGL_DECODE_LONGEST_FIRST: the programs' order
+
+
+def _cuda_decode(kv_cache: MHAKVCache, device: torch.device) -> CudaDecode | None:
+    """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it."""
+    if device.type != "cuda" or not ENV.DECODE_CUDA.value or kv_cache.head_dim != HEAD_DIM:
+        return None
+    if kv_cache.dtype not in (torch.bfloat16, FP8_DTYPE):
+        return None
+    try:
+        return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0)
+    except CudaUnavailable as e:
+        logger.info_rank0(f"decode attention by the Triton kernel only: {e}")
+        return None
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -60,6 +78,7 @@ class TritonAttnBackend(BaseAttnBackend):
         # read once, so that the graphs and every step's metadata agree on it
         self.order_from = int(ENV.DECODE_LONGEST_FIRST.value)
         self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
+        self.cuda_decode = _cuda_decode(kv_cache, device)
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -113,6 +132,7 @@ class TritonAttnBackend(BaseAttnBackend):
             splits % 16 == 0,
             self.ordered(batch_size),
             batch_size <= ENV.FUSED_DECODE_ROPE.value,
+            self.cuda_decode is not None and self.cuda_decode.variant(batch_size),
         )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
@@ -133,6 +153,21 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor:
         meta: TritonAttnMetadata = batch.attn_metadata
         k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        cuda = self.cuda_decode
+        if rope is None and cuda is not None and cuda.applies(q, k_cache):
+            return cuda(
+                q,
+                k_cache,
+                v_cache,
+                self.page_table,
+                meta.rows,
+                meta.seq_lens,
+                meta.num_splits,
+                self.scale,
+                k_scale,
+                v_scale,
+                meta.order,
+            )
         return decode_attention(
             q,
             k_cache,

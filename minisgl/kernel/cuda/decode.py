@@ -1,0 +1,132 @@
+"""Decode attention by decode.cu's CUDA kernel: the Triton decode kernel's work (no rotary inside) for a bf16
+query, head dim 128 and 1, 2 or 4 query heads a KV head, over a bf16 or FP8 pool.
+
+On an H200 it reads the workload's FP8 rows 15-25% faster than the Triton kernel at every batch size, and bf16
+rows as fast or faster (docs/benchmarks.md, "Decode attention in CUDA C++"). The attention backend uses it
+where it applies (MINISGL_DECODE_CUDA; 0: the Triton kernel everywhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from minisgl.kernel.cuda import CudaModule, load_module, source
+from minisgl.utils.misc import next_pow2
+
+# query heads a KV head that the engine takes this kernel for (measured faster than Triton's); decode.cu also
+# takes 4, with 16 threads a key for its registers (benchmark/offline/decode_cuda.py measures it)
+GROUPS = (1, 2)
+HEAD_DIM = 128
+THREADS = 128
+# (keys a thread group loads a step, threads a key): 8 threads a key take 16 dims each, one 16-byte load of
+# an FP8 row (two of a bf16 one); 4 keys a step keep more loads in flight, which pays while the batch alone
+# does not fill the GPU, 2 keep fewer registers, which pays once it does
+VARIANTS = ((2, 8), (4, 8))
+SMALL_BATCH = 64  # up to this many requests, 4 keys a step (measured on an H200: docs/benchmarks.md)
+_LOG2E = 1.4426950408889634
+
+
+def kernel_name(group: int, variant: tuple[int, int], fp8: bool) -> str:
+    unroll, lanes = variant
+    return f"decode_{'fp8' if fp8 else 'bf16'}_g{group}_u{unroll}_l{lanes}"
+
+
+def program(
+    fp8_pools: tuple[bool, ...],
+    variants: tuple[tuple[int, int], ...] = VARIANTS,
+    groups: tuple[int, ...] = GROUPS,
+) -> str:
+    """decode.cu with a kernel for every query group, variant and pool asked for."""
+    lines = [source("decode.cu")]
+    for fp8 in fp8_pools:
+        for g in groups:
+            for unroll, lanes in variants:
+                name = kernel_name(g, (unroll, lanes), fp8)
+                lines.append(f"DECODE_KERNEL({name}, {g}, {unroll}, {lanes}, {'true' if fp8 else 'false'})")
+    return "\n".join(lines) + "\n"
+
+
+class CudaDecode:
+    """The kernels for one pool dtype, compiled (or read from the cache) and loaded at construction, so that
+    nothing is compiled or loaded while a CUDA graph is being captured."""
+
+    def __init__(
+        self,
+        fp8: bool,
+        device_index: int = 0,
+        variants: tuple[tuple[int, int], ...] = VARIANTS,
+        groups: tuple[int, ...] = GROUPS,
+    ) -> None:
+        self.fp8 = fp8
+        self.variants = variants
+        self.groups = groups
+        pool = "fp8" if fp8 else "bf16"
+        src = program((fp8,), variants, groups)
+        self.module: CudaModule = load_module(src, f"decode_{pool}.cu", device_index)
+        for g in groups:
+            for v in variants:
+                self.module.function(kernel_name(g, v, fp8))
+
+    def applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        hq, d = q.shape[1], q.shape[2]
+        hk = k_cache.shape[1]
+        return (
+            q.dtype == torch.bfloat16
+            and d == HEAD_DIM
+            and hq % hk == 0
+            and hq // hk in self.groups
+            and q.stride(2) == 1
+            and k_cache.stride(2) == 1
+            and (k_cache.dtype == torch.float8_e4m3fn) == self.fp8
+        )
+
+    def variant(self, batch_size: int) -> tuple[int, int]:
+        return self.variants[-1] if batch_size <= SMALL_BATCH else self.variants[0]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_splits: int,
+        sm_scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+        variant: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """q: [B, Hq, 128] bf16; k/v_cache: [slots, Hk, 128]; rows, seq_lens, order: [B] int32 -> [B, Hq, 128],
+        as `minisgl.kernel.attention.decode_attention` without `rope`."""
+        from minisgl.kernel.attention import _decode_merge_kernel
+
+        bs, hq, d = q.shape
+        hk = k_cache.shape[1]
+        out = torch.empty((bs, hq, d), dtype=q.dtype, device=q.device)
+        mid_o = mid_lse = out  # with one split the kernel writes the output itself
+        if num_splits > 1:
+            mid_o = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
+        args = (
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), mid_o.data_ptr(),
+            mid_lse.data_ptr(), page_table.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(),
+            order.data_ptr() if order is not None else 0,
+            k_scale.data_ptr() if self.fp8 else 0, v_scale.data_ptr() if self.fp8 else 0,
+            ctypes.c_int64(q.stride(0)), ctypes.c_int64(q.stride(1)), ctypes.c_int64(k_cache.stride(0)),
+            ctypes.c_int64(k_cache.stride(1)), ctypes.c_int64(page_table.stride(0)), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int64(out.stride(1)), ctypes.c_int32(hq), ctypes.c_int32(num_splits),
+            ctypes.c_float(sm_scale * _LOG2E),
+        )  # fmt: skip
+        name = kernel_name(hq // hk, variant or self.variant(bs), self.fp8)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        self.module.launch(name, (hk, bs, num_splits), THREADS, args, stream)
+        if num_splits > 1:
+            _decode_merge_kernel[(bs, hq)](
+                mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, NUM_QO_HEADS=hq, D=d,
+                BLOCK_D=d, BLOCK_S=next_pow2(num_splits), num_warps=4,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,214 @@
+"""The CUDA C++ decode kernel (minisgl/kernel/cuda): NVRTC compiles it for Hopper without spills (any machine
+with libnvrtc), the backend falls back to Triton without it, and on a GPU it attends as a float64 reference
+does and the engine's logits with it stay where transformers' and the Triton kernel's are.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tiny import random_prompts
+
+from minisgl.env import ENV
+from minisgl.kernel import cuda as cuda_kernels
+from minisgl.kernel.cuda.decode import CudaDecode, kernel_name, program
+
+# what decode.cu takes: the engine's variants and groups (minisgl/kernel/cuda/decode.py) and those
+# benchmark/offline/decode_cuda.py measures (4 query heads a KV head, 16 threads a key)
+ALL_VARIANTS = ((2, 8), (4, 8), (1, 16), (2, 16), (4, 16))
+ALL_GROUPS = (1, 2, 4)
+
+CUDA = torch.cuda.is_available()
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not CUDA, reason="needs a CUDA device"),
+]
+
+
+def _nvrtc_here() -> bool:
+    try:
+        cuda_kernels.nvrtc()
+        return True
+    except cuda_kernels.CudaUnavailable:
+        return False
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_here(), reason="libnvrtc not found (nvidia-cuda-nvrtc)")
+
+
+@needs_nvrtc
+def test_the_decode_kernels_compile_for_hopper_without_spills() -> None:
+    """Every kernel for both pools; a spill would put the rows the kernel keeps in flight in local memory
+    (4 query heads a KV head with 8 threads a key: 239-255 registers, one of them spilling; not used)."""
+    src = program((True, False), ALL_VARIANTS, ALL_GROUPS)
+    _, log = cuda_kernels.compile_cubin(src, "sm_90", ["--ptxas-options=-v"], "decode.cu")
+    # ptxas reports each entry function in a block of lines that starts with its name
+    blocks = log.split("Compiling entry function '")[1:]
+    got = {block.split("'")[0]: block for block in blocks}
+    want = {
+        kernel_name(g, v, fp8)
+        for g in ALL_GROUPS
+        for v in ALL_VARIANTS
+        for fp8 in (True, False)
+        if g < 4 or v[1] == 16  # 4 query heads keep 8 threads a key's 16 dims each in too many registers
+    }
+    assert want <= set(got), f"missing from ptxas's report: {sorted(want - set(got))}"
+    for name in want:
+        assert "0 bytes spill stores, 0 bytes spill loads" in got[name], (name, got[name])
+
+
+@needs_nvrtc
+def test_a_cubin_is_compiled_once_then_read_from_the_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ENV.CACHE_DIR, "value", str(tmp_path))
+    src = program((True,), ((2, 8),))
+    first = cuda_kernels.cached_cubin(src, "sm_90", "decode_fp8.cu")
+    compiled: list[str] = []
+    monkeypatch.setattr(cuda_kernels, "compile_cubin", lambda *a, **k: compiled.append("again"))
+    assert cuda_kernels.cached_cubin(src, "sm_90", "decode_fp8.cu") == first
+    assert not compiled
+    assert len(list((tmp_path / "cuda_kernels").glob("decode_fp8_sm_90_*.cubin"))) == 1
+
+
+def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from minisgl.attention import triton_backend
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        raise cuda_kernels.CudaUnavailable("libnvrtc was not found")
+
+    monkeypatch.setattr(triton_backend, "CudaDecode", missing)
+    pool = SimpleNamespace(head_dim=128, dtype=torch.bfloat16)
+    assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+    # nor is it asked for where it does not apply, or where it is switched off
+    monkeypatch.setattr(triton_backend, "CudaDecode", lambda *a, **k: "kernel")
+    assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) == "kernel"  # type: ignore[arg-type]
+    assert triton_backend._cuda_decode(pool, torch.device("cpu")) is None  # type: ignore[arg-type]
+    small = SimpleNamespace(head_dim=64, dtype=torch.bfloat16)
+    assert triton_backend._cuda_decode(small, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
+    assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+
+
+@functools.cache
+def _kernels(fp8: bool) -> CudaDecode:
+    return CudaDecode(fp8, variants=ALL_VARIANTS, groups=ALL_GROUPS)
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
+@pytest.mark.parametrize("group", ALL_GROUPS)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_kernel_attends_as_a_float64_reference(
+    fp8: bool, group: int, num_splits: int, ordered: bool, variant: tuple[int, int]
+) -> None:
+    from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
+
+    from minisgl.kernel.attention import decode_order
+
+    # contexts shorter than a step of the kernel, than a split, empty splits (16 of 5 keys), and long ones
+    lens, hk, d = [1, 5, 37, 300, 129, 1000, 64], 2, 128
+    hq = group * hk
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + num_splits)
+    scales: tuple[Any, ...] = (None, None)
+    if fp8:
+        k, v, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+        scales = (ks, vs)
+    else:
+        k, v = k.bfloat16(), v.bfloat16()
+        k_ref, v_ref = k.float(), v.float()
+    # q as the engine has it: the query part of a packed q|k|v row, not contiguous
+    qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
+    q = qkv[:, : hq * d].view(len(lens), hq, d)
+    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
+    kernel = _kernels(fp8)
+    assert kernel.applies(q, k)
+    out = kernel(q, k, v, table, rows, seq, num_splits, d**-0.5, *scales, order, variant)
+    ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
+    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
+    assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_kernel_is_not_used_where_it_does_not_apply() -> None:
+    kernel = CudaDecode(False)  # the engine's groups: 1 and 2
+    k = torch.zeros(8, 2, 128, dtype=torch.bfloat16, device="cuda")
+    assert kernel.applies(torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda"), k)
+    assert not kernel.applies(torch.zeros(1, 8, 128, dtype=torch.bfloat16, device="cuda"), k)  # 4 a KV head
+    assert not kernel.applies(torch.zeros(1, 4, 128, dtype=torch.float32, device="cuda"), k)
+    assert not kernel.applies(
+        torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda"), k.to(torch.float8_e4m3fn)
+    )
+    k64 = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    assert not kernel.applies(torch.zeros(1, 4, 64, dtype=torch.bfloat16, device="cuda"), k64)
+
+
+def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq], device="cuda")).logits[0].float().cpu()
+    return logits[prompt_len - 1 : len(seq) - 1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
+
+
+@pytest.mark.parametrize(
+    "variant,kv",
+    [("qwen3-head-dim-128", "auto"), ("llama-head-dim-128-mha", "auto"), ("qwen3-head-dim-128", "fp8_e4m3")],
+)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kernel(
+    variant: str, kv: str, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """24 requests decoding together (the rotary kernel apart, so every decode step takes the CUDA kernel,
+    in its graph): each step's logits within test_gpu's bf16 bound of transformers' float32 logits (bf16
+    pool), and close to the Triton kernel's run at every step both runs reach with the same context."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
+    from fp8_agreement import greedy_run
+    from test_gpu import BF16_LOGITS_REL_ERR
+
+    folder = tiny_model(variant)
+    monkeypatch.setattr(ENV.FUSED_DECODE_ROPE, "value", 0)
+    calls: list[int] = []
+    call = CudaDecode.__call__
+
+    def counted(self: CudaDecode, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(CudaDecode, "__call__", counted)
+    prompts = random_prompts(24, seed=21, min_len=5, max_len=60)
+    args: dict[str, Any] = dict(dtype=torch.bfloat16, device="cuda", max_running_req=32)
+    ours = greedy_run(folder, kv, prompts, 12, **args)
+    assert 24 in calls or 32 in calls  # the graph of the batch (24 rows, or the size it pads to) holds it
+    monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
+    calls.clear()
+    triton = greedy_run(folder, kv, prompts, 12, **args)
+    assert not calls
+    for prompt, tokens, logits, t_tokens, t_logits in zip(
+        prompts, ours.tokens, ours.logits, triton.tokens, triton.logits
+    ):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, t_tokens)) if a != b), len(tokens)) + 1
+        assert _rel(logits[:same], t_logits[:same]).max() < 0.05
+        if kv == "auto":
+            errors = _rel(logits, _teacher_forced_logits(folder, prompt + tokens, len(prompt)))
+            assert errors.max() < BF16_LOGITS_REL_ERR, errors.tolist()
