@@ -155,8 +155,10 @@ def load_module(source: str, name: str, device_index: int = 0) -> CudaModule:
     import torch
 
     major, minor = torch.cuda.get_device_capability(device_index)
-    torch.zeros(1, device=f"cuda:{device_index}")  # the primary context current on this thread
-    return CudaModule(cached_cubin(source, f"sm_{major}{minor}", name))
+    cubin = cached_cubin(source, f"sm_{major}{minor}", name)
+    with torch.cuda.device(device_index):
+        torch.zeros(1, device=f"cuda:{device_index}")  # the device's primary context current on this thread
+        return CudaModule(cubin)
 
 
 def source(name: str) -> str:
