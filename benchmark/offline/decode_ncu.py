@@ -2,13 +2,16 @@
 
     ncu --clock-control none -k regex:_decode_kernel --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmark/offline/decode_ncu.py
+    ncu --clock-control none -k regex:decode_ --launch-skip 2 --launch-count 2 ... \\
+        python benchmark/offline/decode_ncu.py --cuda      # the CUDA C++ kernel (minisgl/kernel/cuda/decode.cu)
 
 Two pools, each launched once to compile and once to be profiled, in this order: bf16, then FP8, each with the
-engine's choice of tiles.
+engine's choice of tiles (or of the CUDA kernel's variant).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,9 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cuda", action="store_true", help="the CUDA C++ kernel instead of the Triton one")
+    args = p.parse_args()
     from decode_variants import scattered_batch
 
     from minisgl.kernel import attention as attn
+    from minisgl.kernel.cuda.decode import CudaDecode
 
     bs, hq, hk, d = 256, 16, 8, 128
     lens, table, rows, seq = scattered_batch(bs)
@@ -31,11 +38,18 @@ def main() -> None:
     scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     variants = [("bf16", (k, v), ()), ("fp8", (k8, v8), scales)]
+    decode = attn.decode_attention
+    if args.cuda:
+        kernels = {False: CudaDecode(False), True: CudaDecode(True)}
+
+        def decode(q, kc, *rest):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            return kernels[kc.dtype == torch.float8_e4m3fn](q, kc, *rest)
+
     for _, (kc, vc), sc in variants:  # compile each, outside the profiled launches
-        attn.decode_attention(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
+        decode(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
     torch.cuda.synchronize()
     for name, (kc, vc), sc in variants:
-        attn.decode_attention(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
+        decode(q, kc, vc, table, rows, seq, 1, d**-0.5, *sc)
         torch.cuda.synchronize()
         print("profiled", name, flush=True)
 

@@ -153,35 +153,12 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor:
         meta: TritonAttnMetadata = batch.attn_metadata
         k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        # the arguments both kernels take, in their order
+        args = (q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale)
         cuda = self.cuda_decode
         if rope is None and cuda is not None and cuda.applies(q, k_cache):
-            return cuda(
-                q,
-                k_cache,
-                v_cache,
-                self.page_table,
-                meta.rows,
-                meta.seq_lens,
-                meta.num_splits,
-                self.scale,
-                k_scale,
-                v_scale,
-                meta.order,
-            )
-        return decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            self.page_table,
-            meta.rows,
-            meta.seq_lens,
-            meta.num_splits,
-            self.scale,
-            k_scale,
-            v_scale,
-            rope,
-            meta.order,
-        )
+            return cuda(*args, k_scale, v_scale, order=meta.order)
+        return decode_attention(*args, k_scale, v_scale, rope, meta.order)
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:
         if ENV.SEPARATE_KV_STORE.value:
