@@ -20,6 +20,7 @@ from minisgl.engine.engine import ForwardOutput
 from minisgl.engine.prepare import ForwardInput
 from minisgl.engine.warmup import MIXED, warm_up
 from minisgl.kernel.attention import ordered_from
+from minisgl.kernel.cuda.decode import VARIANTS, CudaDecode
 from minisgl.llm import LLM
 
 
@@ -59,9 +60,15 @@ def test_the_warm_up_runs_every_sampling_mode_and_leaves_no_trace(
     assert [o["token_ids"] for o in llm.generate(prompts, params)] == before
 
 
-def fake_engine(max_running_req: int, graphs_max_bs: int, kv_heads: int) -> SimpleNamespace:
-    """What _eager_decode_sizes reads of a CUDA engine with the Triton backend (no GPU needed)."""
+def fake_engine(
+    max_running_req: int, graphs_max_bs: int, kv_heads: int, cuda: bool = False
+) -> SimpleNamespace:
+    """What _eager_decode_sizes reads of a CUDA engine with the Triton backend (no GPU needed); `cuda`: with the
+    CUDA C++ decode kernel, whose variant follows the batch size too."""
     backend = SimpleNamespace(kv_cache=SimpleNamespace(num_kv_heads=kv_heads), supports_cuda_graphs=True)
+    kernel = SimpleNamespace(variants=VARIANTS)
+    kernel.variant = lambda bs: CudaDecode.variant(kernel, bs)  # type: ignore[arg-type]
+    backend.cuda_decode = kernel if cuda else None
     backend.ordered = lambda bs: ordered_from(bs, 32)
     backend.decode_variant = lambda bs: TritonAttnBackend.decode_variant(backend, bs)  # type: ignore[arg-type]
     return SimpleNamespace(
@@ -72,27 +79,30 @@ def fake_engine(max_running_req: int, graphs_max_bs: int, kv_heads: int) -> Simp
     )
 
 
+@pytest.mark.parametrize("cuda", [False, True])
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
-def test_eager_decode_sizes_cover_every_variant_of_the_eager_batches(kv_heads: int) -> None:
-    sizes = warmup._eager_decode_sizes(fake_engine(256, 0, kv_heads))  # type: ignore[arg-type]
-    variant = fake_engine(256, 0, kv_heads).attn_backend.decode_variant
+def test_eager_decode_sizes_cover_every_variant_of_the_eager_batches(kv_heads: int, cuda: bool) -> None:
+    sizes = warmup._eager_decode_sizes(fake_engine(256, 0, kv_heads, cuda))  # type: ignore[arg-type]
+    variant = fake_engine(256, 0, kv_heads, cuda).attn_backend.decode_variant
     # without graphs every size runs eagerly: each size's variant is one a warmed size has
     assert {variant(bs) for bs in range(1, 257)} == {variant(bs) for bs in sizes}
     assert len(set(map(variant, sizes))) >= len(sizes) - 2  # one a variant, and 1 and 16 rows
     assert 1 in sizes and 16 in sizes and 32 in sizes  # one row, the GEMM's 16, the order from 32
     if kv_heads == 8:
         assert 128 in sizes  # wide tiles from 1,024 programs
+    if cuda:
+        assert 65 in sizes  # the CUDA kernel's 2 keys a step above SMALL_BATCH rows
     # graphs up to 64 rows: only the larger batches run eagerly
-    above = warmup._eager_decode_sizes(fake_engine(256, 64, kv_heads))  # type: ignore[arg-type]
+    above = warmup._eager_decode_sizes(fake_engine(256, 64, kv_heads, cuda))  # type: ignore[arg-type]
     assert above and min(above) == 65
     assert {variant(bs) for bs in range(65, 257)} == {variant(bs) for bs in above}
     # graphs for every batch the scheduler forms: nothing runs eagerly
-    assert warmup._eager_decode_sizes(fake_engine(256, 256, kv_heads)) == []  # type: ignore[arg-type]
+    assert warmup._eager_decode_sizes(fake_engine(256, 256, kv_heads, cuda)) == []  # type: ignore[arg-type]
     # a backend without graph hooks decodes every size eagerly, whatever the graph limit says
-    no_hooks = fake_engine(256, 256, kv_heads)
+    no_hooks = fake_engine(256, 256, kv_heads, cuda)
     no_hooks.attn_backend.supports_cuda_graphs = False
     assert warmup._eager_decode_sizes(no_hooks) == sizes  # type: ignore[arg-type]
-    cpu = fake_engine(256, 0, kv_heads)
+    cpu = fake_engine(256, 0, kv_heads, cuda)
     cpu.device = torch.device("cpu")
     assert warmup._eager_decode_sizes(cpu) == []  # type: ignore[arg-type]
 
