@@ -104,6 +104,28 @@ def _kernels(fp8: bool) -> CudaDecode:
     return CudaDecode(fp8, variants=ALL_VARIANTS, groups=ALL_GROUPS)
 
 
+def test_the_kernel_is_asked_for_only_where_it_applies() -> None:
+    """`applies` on CPU tensors: the query heads a KV head, the dtypes, head dim 128, rows in 16-byte words."""
+    from types import SimpleNamespace
+
+    def applies(q: torch.Tensor, k: torch.Tensor, fp8: bool = False) -> bool:
+        return CudaDecode.applies(SimpleNamespace(groups=(1, 2), fp8=fp8), q, k)  # type: ignore[arg-type]
+
+    bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
+    k = torch.zeros(8, 2, 128, dtype=bf16)
+    qkv = torch.zeros(3, 8 * 128, dtype=bf16)
+    q = qkv[:, : 4 * 128].view(3, 4, 128)  # q inside a packed q|k|v row, as the engine has it
+    assert applies(q, k) and applies(q[:, :2], k) and applies(q, k.to(f8), fp8=True)
+    assert not applies(q, k.to(f8))  # the pool this kernel was built for
+    assert not applies(torch.zeros(3, 8, 128, dtype=bf16), k)  # 4 query heads a KV head
+    assert not applies(q.float(), k)
+    assert not applies(torch.zeros(3, 4, 64, dtype=bf16), torch.zeros(8, 2, 64, dtype=bf16))
+    # a row that does not start on a 16-byte boundary, or does not step by whole words
+    odd = torch.zeros(3, 4 * 128 + 4, dtype=bf16)
+    assert not applies(odd[:, 1 : 4 * 128 + 1].view(3, 4, 128), k)
+    assert not applies(odd[:, : 4 * 128].as_strided((3, 4, 128), (4 * 128 + 4, 129, 1)), k)
+
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 @pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
 @pytest.mark.parametrize("group", ALL_GROUPS)
@@ -140,21 +162,6 @@ def test_the_kernel_attends_as_a_float64_reference(
     ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
     assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
     assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_the_kernel_is_not_used_where_it_does_not_apply() -> None:
-    kernel = CudaDecode(False)  # the engine's groups: 1 and 2
-    k = torch.zeros(8, 2, 128, dtype=torch.bfloat16, device="cuda")
-    assert kernel.applies(torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda"), k)
-    assert not kernel.applies(torch.zeros(1, 8, 128, dtype=torch.bfloat16, device="cuda"), k)  # 4 a KV head
-    assert not kernel.applies(torch.zeros(1, 4, 128, dtype=torch.float32, device="cuda"), k)
-    assert not kernel.applies(
-        torch.zeros(1, 4, 128, dtype=torch.bfloat16, device="cuda"), k.to(torch.float8_e4m3fn)
-    )
-    k64 = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device="cuda")
-    assert not kernel.applies(torch.zeros(1, 4, 64, dtype=torch.bfloat16, device="cuda"), k64)
 
 
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:

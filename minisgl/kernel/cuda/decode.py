@@ -48,6 +48,12 @@ def program(
     return "\n".join(lines) + "\n"
 
 
+def _vector_rows(x: torch.Tensor) -> bool:
+    """Every thread's slice of a row starts on a 16-byte boundary (the kernel reads it in 8- or 16-byte words)."""
+    step = 16 // x.element_size()
+    return x.stride(2) == 1 and x.stride(0) % step == 0 and x.stride(1) % step == 0 and x.data_ptr() % 16 == 0
+
+
 class CudaDecode:
     """The kernels for one pool dtype, compiled (or read from the cache) and loaded at construction, so that
     nothing is compiled or loaded while a CUDA graph is being captured."""
@@ -77,9 +83,9 @@ class CudaDecode:
             and d == HEAD_DIM
             and hq % hk == 0
             and hq // hk in self.groups
-            and q.stride(2) == 1
-            and k_cache.stride(2) == 1
             and (k_cache.dtype == torch.float8_e4m3fn) == self.fp8
+            and _vector_rows(q)
+            and _vector_rows(k_cache)
         )
 
     def variant(self, batch_size: int) -> tuple[int, int]:
