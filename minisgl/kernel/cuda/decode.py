@@ -1,5 +1,6 @@
 """Decode attention by decode.cu's CUDA kernel: the Triton decode kernel's work (no rotary inside) for a bf16
-query, head dim 128 and 1, 2 or 4 query heads a KV head, over a bf16 or FP8 pool.
+query, head dim 128 and 1 or 2 query heads a KV head (decode.cu also takes 4, slower there than Triton), over a
+bf16 or FP8 pool.
 
 On an H200 it reads the workload's FP8 rows 15-25% faster than the Triton kernel at every batch size, and bf16
 rows as fast or faster (docs/benchmarks.md, "Decode attention in CUDA C++"). The attention backend uses it
@@ -89,6 +90,7 @@ class CudaDecode:
         )
 
     def variant(self, batch_size: int) -> tuple[int, int]:
+        """The engine's choice: the last of `variants` up to SMALL_BATCH rows, the first above."""
         return self.variants[-1] if batch_size <= SMALL_BATCH else self.variants[0]
 
     def __call__(
