@@ -77,6 +77,26 @@ def test_a_cubin_is_compiled_once_then_read_from_the_cache(
     assert len(list((tmp_path / "cuda_kernels").glob("decode_fp8_sm_90_*.cubin"))) == 1
 
 
+@pytest.mark.parametrize("n_keys,group", [(45, 2), (5, 1), (64, 8)])
+def test_the_tensor_core_candidates_fragment_layouts_give_attention(n_keys: int, group: int) -> None:
+    """benchmark/offline/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
+    from decode_tc import emulate
+
+    assert emulate(n_keys, group) < 1e-9
+
+
+@needs_nvrtc
+def test_the_tensor_core_candidate_compiles_for_hopper_without_spills() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
+    from decode_tc import SOURCE
+
+    _, log = cuda_kernels.compile_cubin(open(SOURCE).read(), "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
+    blocks = log.split("Compiling entry function '")[1:]
+    assert len(blocks) == 4
+    assert all("0 bytes spill stores, 0 bytes spill loads" in block for block in blocks)
+
+
 def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     from types import SimpleNamespace

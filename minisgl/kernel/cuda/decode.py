@@ -89,6 +89,10 @@ class CudaDecode:
             and _vector_rows(k_cache)
         )
 
+    def kernel(self, group: int, variant: tuple[int, int]) -> str:
+        """The entry point for `group` query heads a KV head and `variant` (benchmarks' candidates override it)."""
+        return kernel_name(group, variant, self.fp8)
+
     def variant(self, batch_size: int) -> tuple[int, int]:
         """The engine's choice: the last of `variants` up to SMALL_BATCH rows, the first above."""
         return self.variants[-1] if batch_size <= SMALL_BATCH else self.variants[0]
@@ -129,7 +133,7 @@ class CudaDecode:
             ctypes.c_int64(out.stride(1)), ctypes.c_int32(hq), ctypes.c_int32(num_splits),
             ctypes.c_float(sm_scale * _LOG2E),
         )  # fmt: skip
-        name = kernel_name(hq // hk, variant or self.variant(bs), self.fp8)
+        name = self.kernel(hq // hk, variant or self.variant(bs))
         stream = torch.cuda.current_stream(q.device).cuda_stream
         self.module.launch(name, (hk, bs, num_splits), THREADS, args, stream)
         if num_splits > 1:
