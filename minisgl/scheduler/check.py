@@ -37,7 +37,7 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
         raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")
     # the length first: it costs nothing, and a huge prompt is refused before it is read
     if input_len >= max_seq_len:
-        raise prompt_too_long(input_len, limits)
+        raise prompt_too_long(input_len, max_seq_len)
     vocab = limits.vocab_size
     if min(input_ids) < 0 or max(input_ids) >= vocab:
         raise RequestError(
@@ -67,10 +67,10 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
     return max_tokens
 
 
-def prompt_too_long(input_len: int, limits: RequestLimits, at_least: bool = False) -> RequestError:
-    """The error of a prompt of `input_len` tokens (`at_least`: more than that) that the model cannot take."""
+def prompt_too_long(input_len: int, max_seq_len: int, at_least: bool = False) -> RequestError:
+    """The error of a prompt of `input_len` tokens (`at_least`: more than that) that a model of context
+    length `max_seq_len` cannot take."""
     count = f"more than {input_len}" if at_least else f"{input_len}"
-    max_seq_len = limits.max_seq_len
     return RequestError(
         f"the prompt has {count} tokens; this model takes at most {max_seq_len - 1} prompt tokens "
         f"(context length {max_seq_len}, one token left to generate). Shorten the prompt.",

@@ -715,7 +715,7 @@ def create_app(
         return await serve(request, *await off_loop(chat_call, await request.body()))
 
     def chat_call(body: bytes) -> Call:
-        req = parse_body(ChatCompletionRequest, body)
+        req = parse_body(ChatCompletionRequest, body, info.max_seq_len)
         req.check_fields()
         model = model_of(req.model)
         texts, n = req.chat(), req.num_choices
@@ -748,7 +748,7 @@ def create_app(
         return await serve(request, *await off_loop(completion_call, await request.body()))
 
     def completion_call(body: bytes) -> Call:
-        req = parse_body(CompletionRequest, body)
+        req = parse_body(CompletionRequest, body, info.max_seq_len)
         req.check_fields()
         model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
@@ -776,7 +776,7 @@ def create_app(
         return await serve(request, *await off_loop(generate_call, await request.body()))
 
     def generate_call(body: bytes) -> Call:
-        req = parse_body(GenerateRequest, body)
+        req = parse_body(GenerateRequest, body, info.max_seq_len)
         prompts, n = req.prompts(), req.num_choices
         params = req.to_sampling_params()
         if req.sampling_params is not None:
@@ -794,9 +794,9 @@ def create_app(
 Call = tuple[list[TokenizeMsg], _Format, bool]
 
 # Reading a request can hold the event loop, and every stream it writes, for a while: a large body is
-# parsed and checked (about 0.5 s for a few MB), and a grammar is compiled once to check it (3-20 ms,
-# as texts are kept under 32 KiB). Such requests are read on a worker thread; small plain ones, most of
-# them, stay on the loop, where a thread hop would cost more than the read.
+# parsed and checked (tens of ms for a few MB; protocol.py keeps it so), and a grammar is compiled once
+# to check it (3-20 ms, as texts are kept under 32 KiB). Such requests are read on a worker thread;
+# small plain ones, most of them, stay on the loop, where a thread hop would cost more than the read.
 _OFF_LOOP_BYTES = 64 << 10
 _GRAMMAR_KEYS = (
     b'"json_schema"',

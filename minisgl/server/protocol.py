@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields, replace
-from typing import Any, TypeVar, get_type_hints
+from typing import Annotated, Any, TypeVar, Union, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from minisgl.constrained.grammar import check_grammar, choice_regex
 from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, RequestError, SamplingParams, fold_seed
+from minisgl.scheduler.check import prompt_too_long
 
 MAX_N = 128  # choices per prompt
 # the roles of OpenAI's chat API; the role is written into the prompt as is, so no other is let through
@@ -41,6 +51,77 @@ class APIError(Exception):
 class _Strict(BaseModel):
     # a field this server does not know is refused (OpenAI's "Unrecognized request argument"), never dropped
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---- prompts: their shape, and their length against the context --------------------------------------
+_SHAPES: dict[str, Any] = {
+    "str": str,
+    "list[str]": list[str],
+    "list[int]": list[int],
+    "list[list[int]]": list[list[int]],
+}
+
+
+def _by_shape(*shapes: str) -> Any:
+    """A union of prompt shapes that validates a value against the one member its shape names.
+
+    Trying every member, as a plain union does, costs a second on a body of a million token ids: each
+    member that fails reports every element. Read by its first element, the body costs milliseconds, and
+    a value of no member's shape is refused naming them all.
+    """
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, str):
+            return "str" if "str" in shapes else None
+        if not isinstance(value, list):
+            return None
+        if not value:  # the first list member's (an empty prompt is refused later, with its own words)
+            return next((s for s in shapes if s != "str"), None)
+        first = value[0]
+        shape = (
+            "list[str]"
+            if isinstance(first, str)
+            else "list[list[int]]"
+            if isinstance(first, list)
+            else "list[int]"
+        )
+        return shape if shape in shapes else None
+
+    members = tuple(Annotated[_SHAPES[s], Tag(s)] for s in shapes)
+    return Annotated[
+        Union[members],  # noqa: UP007 (a union built from a tuple)
+        Discriminator(
+            tag, custom_error_type="invalid_type", custom_error_message=f"expected one of {', '.join(shapes)}"
+        ),
+    ]
+
+
+TEXTS = _by_shape("str", "list[str]")
+IDS = _by_shape("list[int]", "list[list[int]]")
+PROMPTS = _by_shape("str", "list[str]", "list[int]", "list[list[int]]")
+
+
+def refuse_over_context(value: Any, param: str, info: ValidationInfo, items: str = "tokens") -> Any:
+    """`value` as it is, unless it has a list of more `items` than the context length given in the
+    validation context ({"max_seq_len": n}) leaves for a prompt: then an APIError, raised before the rest
+    of the body is read (the tokenizer would refuse it anyway, later and dearer).
+
+    `items` "tokens": a list of token ids, or a list of such lists; "messages": a conversation, each of
+    whose messages the chat template writes as at least one token.
+    """
+    max_seq_len = (info.context or {}).get("max_seq_len")
+    if max_seq_len is None or not isinstance(value, list) or not value or isinstance(value[0], str):
+        return value  # texts are counted by the tokenizer, which reads only as much as it needs
+    if items == "messages":
+        count, at_least = len(value), True
+    elif isinstance(value[0], list):
+        count, at_least = max(len(v) if isinstance(v, list) else 0 for v in value), False
+    else:
+        count, at_least = len(value), False
+    if count >= max_seq_len:
+        e = prompt_too_long(count - 1 if at_least else count, max_seq_len, at_least)
+        raise APIError(str(e), param, e.code)
+    return value
 
 
 class StreamOptions(_Strict):
@@ -322,6 +403,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_over_context(value, "messages", info, "messages")
+
     @property
     def template_options(self) -> dict[str, bool]:
         """How the chat template renders the conversation; both asked at once is an APIError (as in vLLM)."""
@@ -400,11 +486,16 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PROMPTS
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_within_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_over_context(value, "prompt", info)
 
     @property
     def echo_only(self) -> bool:
@@ -438,12 +529,17 @@ GenerateSamplingParams = create_model(
 
 
 class GenerateRequest(_Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: TEXTS | None = None
+    input_ids: IDS | None = None
     sampling_params: GenerateSamplingParams | None = None  # type: ignore[valid-type]
     stream: bool | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
+
+    @field_validator("input_ids")
+    @classmethod
+    def _ids_within_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_over_context(value, "input_ids", info)
 
     def prompts(self) -> list[Prompt]:
         if (self.text is None) == (self.input_ids is None):
@@ -485,10 +581,11 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 T = TypeVar("T", bound=BaseModel)
 
 
-def parse_body(model: type[T], body: bytes) -> T:
-    """The request body as `model`; malformed JSON or a wrong field is an APIError saying what to fix."""
+def parse_body(model: type[T], body: bytes, max_seq_len: int | None = None) -> T:
+    """The request body as `model`; malformed JSON or a wrong field is an APIError saying what to fix.
+    With `max_seq_len`, a prompt of token ids or messages that cannot fit it is refused as it is read."""
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body, context={"max_seq_len": max_seq_len})
     except ValidationError as e:
         raise _validation_error(e) from e
 
@@ -529,9 +626,16 @@ def _validation_error(e: ValidationError) -> APIError:
         return APIError(f"'{param}' is required", param, "missing_required_parameter")
     if member is not None:
         members = [m for m in (_split(err["loc"]) for err in errors) if m[0] == param and m[1] is not None]
-        kinds = ", ".join(dict.fromkeys(m[1] for m in members if m[1]))
+        kinds = list(dict.fromkeys(m[1] for m in members if m[1]))
+        expected = f"one of {', '.join(kinds)}" if len(kinds) > 1 else kinds[0]
         return APIError(
-            f"'{param}' has the wrong type: expected one of {kinds}; got {_short(first['input'])}",
+            f"'{param}' has the wrong type: expected {expected}; got {_short(first['input'])}",
+            param,
+            "invalid_type",
+        )
+    if first["type"] == "invalid_type":  # a value of no prompt shape (_by_shape)
+        return APIError(
+            f"'{param}' has the wrong type: {first['msg']}; got {_short(first['input'])}",
             param,
             "invalid_type",
         )

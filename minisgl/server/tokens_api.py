@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from minisgl.message.frontend import TokensMsg, TokensReply
 from minisgl.params import INT64_MAX, INT64_MIN
-from minisgl.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from minisgl.server.protocol import IDS, TEXTS, APIError, ChatCompletionRequest, ChatMessage
 
 
 class _Exact(BaseModel):
@@ -28,7 +28,7 @@ class _Exact(BaseModel):
 
 class TokenizeRequest(_Exact):
     model: str | None = None
-    prompt: str | list[str] | None = None
+    prompt: TEXTS | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
@@ -75,7 +75,7 @@ class TokenizeRequest(_Exact):
 
 class DetokenizeRequest(_Exact):
     model: str | None = None
-    tokens: list[int] | list[list[int]]
+    tokens: IDS
     skip_special_tokens: bool | None = None
 
     def to_msg(self) -> TokensMsg:

@@ -58,7 +58,7 @@ class TokenizeManager:
             )
         if len(messages) >= self.limits.max_seq_len:
             # every message the template writes is at least one token
-            raise prompt_too_long(len(messages) - 1, self.limits, at_least=True)
+            raise prompt_too_long(len(messages) - 1, self.limits.max_seq_len, at_least=True)
         self._refuse_control_text(messages, tools)
         try:
             pieces = render_chat(
@@ -109,5 +109,5 @@ class TokenizeManager:
         while size < len(text):
             count = len(self.tokenizer.encode(text[:size], add_special_tokens=False))
             if count - _CUT_SLACK > limit:
-                raise prompt_too_long(count - _CUT_SLACK, self.limits, at_least=True)
+                raise prompt_too_long(count - _CUT_SLACK, self.limits.max_seq_len, at_least=True)
             size *= 4
