@@ -542,6 +542,86 @@ def test_a_text_far_over_the_context_is_refused_from_a_prefix(model_dir: str) ->
     assert manager.tokenize(TokenizeMsg([SamplingParams()], text=fits)) == tokenizer.inner.encode(fits)
 
 
+class _SpacesTokenizer(_CountingTokenizer):
+    """The tiny model's tokenizer, but 64 spaces a token (as the default model's has): a text of spaces is
+    the most compressible there is. Records the length of every text it encodes."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls: list[int] = []
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.calls.append(len(text))
+        self.encoded_chars += len(text)
+        if text and not text.strip(" "):
+            return [0] * -(-len(text) // 64)
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_compressible_text_is_counted_a_piece_a_turn_beside_a_short_prompt(
+    worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minisgl.tokenizer import tokenize
+
+    w, _, to_scheduler, to_api = worker
+    w.tokenizer = w.tokenize_manager.tokenizer = tokenizer = _SpacesTokenizer(w.tokenizer.inner)
+    spaces = " " * 4_000_000  # 62,500 tokens; the model takes 511
+    params = [SamplingParams(max_tokens=2)]
+    w._handle_api([[_msg(params, [1], spaces)], [_msg(params, [2], "the small one")]])
+    while w.pending:
+        w._tokenize_pending()
+    piece = 8 * 512  # _CHARS_PER_TOKEN characters a token of the context
+    # the first piece, then the short prompt in its call's turn, then the other pieces
+    assert tokenizer.calls[:2] == [piece, len("the small one")]
+    assert max(tokenizer.calls) == piece <= tokenize._PIECE_CHARS
+    # 48 tokens a piece proven (64 less the slack of a cut), so 11 pieces to pass 511
+    assert len(tokenizer.calls) == 1 + 11
+    assert [m.uid for m in _received(to_scheduler)] == [2]
+    (refused,) = [r for r in _received(to_api) if isinstance(r, UserReply)]
+    assert refused.uid == 1 and refused.error_code == "context_length_exceeded"
+    assert not w._pending_uids
+
+
+def test_a_prompt_aborted_part_way_through_its_pieces_is_dropped(
+    worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minisgl.tokenizer import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_SLICE_S", 0.0)  # one step a slice
+    w, _, to_scheduler, to_api = worker
+    w.tokenizer = w.tokenize_manager.tokenizer = tokenizer = _SpacesTokenizer(w.tokenizer.inner)
+    params = [SamplingParams(max_tokens=2)] * 2
+    w._handle_api([[_msg(params, [5, 6], " " * 4_000_000)]])
+    w._tokenize_pending()
+    w._tokenize_pending()
+    assert len(tokenizer.calls) == 2 and w.pending
+    w._handle_api([[AbortMsg(5), AbortMsg(6)]])
+    while w.pending:
+        w._tokenize_pending()
+    assert len(tokenizer.calls) == 2  # not a piece more
+    replies = [r for r in _received(to_api) if isinstance(r, UserReply)]
+    assert [(r.uid, r.finish_reason) for r in replies] == [(5, "abort"), (6, "abort")]
+    assert _received(to_scheduler, timeout=0.5) == []
+    assert not w._pending_uids
+
+
+@pytest.mark.parametrize("chars, fits", [(6_000, True), (32_700, True), (100_000, False)])
+def test_the_pieces_refuse_no_text_that_fits(model_dir: str, chars: int, fits: bool) -> None:
+    """32,700 spaces are 511 tokens, the most the model takes: tokenized whole; 100,000 (1,563 tokens)
+    are refused from their pieces."""
+    from minisgl.core import RequestError
+    from minisgl.tokenizer.tokenize import TokenizeManager
+
+    tokenizer = _SpacesTokenizer(load_tokenizer(model_dir))
+    manager = TokenizeManager(tokenizer, RequestLimits(512, len(tokenizer.inner), 100_000, 1))
+    msg = TokenizeMsg([SamplingParams()], text=" " * chars)
+    if fits:
+        assert manager.tokenize(msg) == [0] * -(-chars // 64)
+    else:
+        with pytest.raises(RequestError, match="more than"):
+            manager.tokenize(msg)
+
+
 class _ThreadRecordingClient(_FailingClient):
     """Records the thread submit runs on: the event loop's."""
 

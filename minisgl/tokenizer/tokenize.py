@@ -1,8 +1,9 @@
 """Prompts to token ids: plain text, token ids as given, or a chat rendered with the model's chat template.
 
 One tokenizer process serves every client, so no prompt may hold it for long: a text far longer than
-the context is refused from the tokens of a prefix of it, before the whole is read (a body of
-megabytes costs milliseconds, not seconds, and the requests behind it do not wait).
+the context is refused from the tokens of its first pieces, before the whole is read, and the pieces
+are counted one a step (`Tokenization`), so the worker polls its sockets between them: a body of
+megabytes holds the requests behind it for milliseconds, not a second.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from minisgl.utils.hf import chat_pieces_ids, render_chat
 
 # a text is tokenized whole up to this many characters per token of context (real text has 3 to 5)
 _CHARS_PER_TOKEN = 8
-# tokens a cut through the middle of a word may add to a prefix's count, with room to spare
+# tokens a cut through the middle of a word may add to a piece's count, with room to spare
 _CUT_SLACK = 16
+# the most characters counted in one step (15-25 ms of a fast tokenizer on one core)
+_PIECE_CHARS = 32 << 10
 
 
 class TokenizeManager:
@@ -30,17 +33,14 @@ class TokenizeManager:
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
         """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
         prompt certainly over the context length, raises RequestError."""
-        if msg.messages is not None:
-            return self.apply_chat_template(
-                msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message
-            )
-        if msg.text is not None:
-            return self.encode(msg.text)
-        return list(msg.input_ids or [])
+        job = Tokenization(self, msg)
+        while (ids := job.step()) is None:
+            pass
+        return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A plain text's token ids; a text certainly over the context length raises RequestError."""
-        self._refuse_if_far_too_long(text)
+        LengthProof(self, text).run()
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(
@@ -50,6 +50,19 @@ class TokenizeManager:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[int]:
+        pieces = self.render(messages, tools, add_generation_prompt, continue_final_message)
+        LengthProof(self, "".join(p for p, _ in pieces)).run()
+        return chat_pieces_ids(self.tokenizer, pieces)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[tuple[str, bool]]:
+        """The conversation in the chat template as render_chat's pieces; a conversation the template
+        refuses, or one of more messages than the context has tokens, raises RequestError."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -72,8 +85,7 @@ class TokenizeManager:
             raise RequestError(
                 f"the chat template refused these messages: {e}", None, "invalid_messages"
             ) from e
-        self._refuse_if_far_too_long("".join(p for p, _ in pieces))
-        return chat_pieces_ids(self.tokenizer, pieces)
+        return pieces
 
     def _refuse_control_text(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -98,16 +110,68 @@ class TokenizeManager:
             self._controls = [t.content for t in decoder.values() if t.special and t.content]
         return self._controls
 
-    def _refuse_if_far_too_long(self, text: str) -> None:
-        """Raise the context-length error if a prefix of `text` alone has more tokens than the model takes.
 
-        The prefix grows fourfold until it proves the text too long or reaches the end of it, so the work
-        is bounded by what the proof needs. A text that fits is then tokenized whole, by the caller.
-        """
-        limit = self.limits.max_seq_len - 1
-        size = _CHARS_PER_TOKEN * self.limits.max_seq_len
-        while size < len(text):
-            count = len(self.tokenizer.encode(text[:size], add_special_tokens=False))
-            if count - _CUT_SLACK > limit:
-                raise prompt_too_long(count - _CUT_SLACK, self.limits.max_seq_len, at_least=True)
-            size *= 4
+class LengthProof:
+    """Whether a text is certainly longer than the context, found a piece of it a step.
+
+    Only a text of more than _CHARS_PER_TOKEN characters a token of context is counted. Its pieces are
+    tokenized each on its own, in order, until their tokens, less _CUT_SLACK a cut, pass what the model
+    takes (RequestError) or the text ends (it may fit, and is tokenized whole by the caller). The work is
+    what the proof needs and no more, and no step is longer than one piece.
+    """
+
+    def __init__(self, manager: TokenizeManager, text: str) -> None:
+        self.tokenizer, self.text = manager.tokenizer, text
+        self.max_seq_len = manager.limits.max_seq_len
+        size = _CHARS_PER_TOKEN * self.max_seq_len
+        self.at = len(text) if len(text) <= size else 0  # a text this short needs no proof
+        self.piece = min(size, _PIECE_CHARS)
+        self.count = self.cuts = 0
+
+    def step(self) -> bool:
+        """Count the next piece; True once the text is not proven too long and nothing is left to count."""
+        if self.at >= len(self.text):
+            return True
+        piece = self.text[self.at : self.at + self.piece]
+        self.at += len(piece)
+        self.count += len(self.tokenizer.encode(piece, add_special_tokens=False))
+        self.cuts += 1
+        least = self.count - _CUT_SLACK * self.cuts  # no fewer tokens can the whole text have so far
+        if least > self.max_seq_len - 1:
+            raise prompt_too_long(least, self.max_seq_len, at_least=True)
+        return False
+
+    def run(self) -> None:
+        """Every step at once (where nothing waits behind the text)."""
+        while not self.step():
+            pass
+
+
+class Tokenization:
+    """One prompt's way to token ids in steps of bounded time, so the worker polls its sockets between
+    them: a chat is rendered in the first step, a long text counted a piece a step (LengthProof), and the
+    whole tokenized in the last, whose step() returns the ids (None before)."""
+
+    def __init__(self, manager: TokenizeManager, msg: TokenizeMsg) -> None:
+        self.manager, self.msg = manager, msg
+        self.failed = False  # set by the worker when a step raised
+        self._pieces: list[tuple[str, bool]] | None = None
+        self._proof: LengthProof | None = None
+
+    def step(self) -> list[int] | None:
+        msg, manager = self.msg, self.manager
+        if msg.messages is None and msg.text is None:
+            return list(msg.input_ids or [])
+        if self._proof is None:
+            if msg.messages is not None:
+                self._pieces = manager.render(
+                    msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message
+                )
+                self._proof = LengthProof(manager, "".join(p for p, _ in self._pieces))
+                return None
+            self._proof = LengthProof(manager, msg.text or "")
+        if not self._proof.step():
+            return None
+        if self._pieces is not None:
+            return chat_pieces_ids(manager.tokenizer, self._pieces)
+        return list(manager.tokenizer.encode(msg.text))

@@ -7,9 +7,11 @@ API server, so a busy step costs one hop, not one per request; its tokens are de
 (`step_batch`), and steps that arrived together leave as one reply a request.
 
 No call may hold up the others: prompts wait in one queue per API call and are tokenized in turns,
-one prompt of each call at a time, in slices of a few milliseconds between polls of the sockets. A
-call of a thousand prompts and a call of one are then served side by side, and streams keep flowing
-meanwhile. A /tokenize or /detokenize call (TokensMsg) takes its turn the same way. An abort of a prompt still waiting drops it unread.
+one step of one prompt of each call at a time (a long text takes a step a piece: tokenize.Tokenization),
+in slices of a few milliseconds between polls of the sockets. A call of a thousand prompts and a call of
+one are then served side by side, a megabyte prompt beside a short one, and streams keep flowing
+meanwhile. A /tokenize or /detokenize call (TokensMsg) takes its turn the same way. An abort of a prompt
+still waiting, or part-way through its steps, drops it unread.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from minisgl.message.frontend import (
 from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
-from minisgl.tokenizer.tokenize import TokenizeManager
+from minisgl.tokenizer.tokenize import Tokenization, TokenizeManager
 from minisgl.tokenizer.tokens import answer_tokens
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
@@ -74,7 +76,8 @@ class TokenizerWorker:
     requests: dict[int, _Request] = field(default_factory=dict)
     # prompts not tokenized yet: a queue per API call (a /tokenize call is one too), and the waiting
     # message of each uid
-    pending: deque[deque[TokenizeMsg | TokensMsg]] = field(default_factory=deque)
+    # (a prompt some steps into its tokenization waits as its Tokenization)
+    pending: deque[deque[TokenizeMsg | TokensMsg | Tokenization]] = field(default_factory=deque)
     _pending_uids: dict[int, TokenizeMsg] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -111,7 +114,7 @@ class TokenizerWorker:
         to_scheduler: list[BaseBackendMsg] = []
         replies: list[UserReply | TokensReply] = []
         for batch in batches:  # one API call's messages
-            call: deque[TokenizeMsg | TokensMsg] = deque()
+            call: deque[TokenizeMsg | TokensMsg | Tokenization] = deque()
             for msg in batch:
                 if isinstance(msg, TokensMsg):
                     call.append(msg)
@@ -133,22 +136,30 @@ class TokenizerWorker:
         self._send(to_scheduler, replies)
 
     def _tokenize_pending(self) -> None:
-        """Tokenize waiting prompts for one slice of time, one prompt of each call in turn."""
+        """Tokenize waiting prompts for one slice of time, one step of one prompt of each call in turn (a
+        long prompt takes several steps, its call's turn each, and keeps its place at the call's head)."""
         to_scheduler: list[BaseBackendMsg] = []
         replies: list[UserReply | TokensReply] = []
         end = time.monotonic() + _SLICE_S
-        while self.pending and time.monotonic() < end:
+        while self.pending:  # at least one step a slice
             call = self.pending.popleft()
-            msg = call.popleft()
+            item = call.popleft()
+            if isinstance(item, TokensMsg):
+                replies.append(answer_tokens(self.tokenize_manager, item))
+            elif item.msg.uids if isinstance(item, Tokenization) else item.uids:  # not every choice aborted
+                job = item if isinstance(item, Tokenization) else Tokenization(self.tokenize_manager, item)
+                ids = self._step(job, replies)
+                if ids is None and not job.failed:
+                    call.appendleft(job)  # more steps to go
+                else:
+                    for uid in job.msg.uids:
+                        del self._pending_uids[uid]
+                    if ids is not None:
+                        to_scheduler += self._requests_of(job.msg, ids, replies)
             if call:
                 self.pending.append(call)
-            if isinstance(msg, TokensMsg):
-                replies.append(answer_tokens(self.tokenize_manager, msg))
-                continue
-            for uid in msg.uids:
-                del self._pending_uids[uid]
-            if msg.uids:
-                to_scheduler += self._requests_of(msg, replies)
+            if time.monotonic() >= end:
+                break
         self._send(to_scheduler, replies)
 
     def _send(self, to_scheduler: list[BaseBackendMsg], replies: list[UserReply | TokensReply]) -> None:
@@ -157,18 +168,25 @@ class TokenizerWorker:
         if replies:
             self._to_api.put(replies)
 
-    def _requests_of(self, msg: TokenizeMsg, replies: list[UserReply | TokensReply]) -> list[BaseBackendMsg]:
-        """The scheduler's requests for a prompt's choices; the prompt is tokenized once for all of them."""
+    def _step(self, job: Tokenization, replies: list[UserReply | TokensReply]) -> list[int] | None:
+        """One step of a prompt's tokenization: its ids once done; on an error, every choice's reply (and
+        `job.failed` set)."""
+        msg = job.msg
         try:
-            ids = self.tokenize_manager.tokenize(msg)
+            return job.step()
         except RequestError as e:
             replies += [UserReply(uid, "", True, "error", str(e), e.code) for uid in msg.uids]
-            return []
         except Exception as e:  # a request the tokenizer chokes on must not take the worker down
             logger.exception(f"requests {msg.uids}: tokenizing failed")
             error = f"the prompt could not be tokenized: {e}"
             replies += [UserReply(uid, "", True, "error", error) for uid in msg.uids]
-            return []
+        job.failed = True
+        return None
+
+    def _requests_of(
+        self, msg: TokenizeMsg, ids: list[int], replies: list[UserReply | TokensReply]
+    ) -> list[BaseBackendMsg]:
+        """The scheduler's requests for a prompt's choices; the prompt was tokenized once for all of them."""
         out: list[BaseBackendMsg] = []
         for uid, params in zip(msg.uids, msg.sampling_params):
             try:
