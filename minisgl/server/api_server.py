@@ -611,8 +611,9 @@ def create_app(
         watcher = asyncio.create_task(_close_on_disconnect(request, group))
         streaming = False
         try:
-            choices = [Choice() for _ in group.uids]
             first = await _first_replies(group, fmt)
+            # after the first replies: a call of thousands of prompts refused there builds none
+            choices = [Choice() for _ in group.uids]
             if stream:
                 streaming = True  # the stream owns the group and the watcher from here
                 return StreamingResponse(
