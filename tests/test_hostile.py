@@ -327,7 +327,8 @@ def test_maximal_requests_are_refused_while_a_small_one_goes_through(server: Ser
     for name, (status, answer, _) in big.items():
         assert status == 400, (name, answer)
         assert answer["error"]["code"] == "context_length_exceeded", name
-    assert small and max(small) < 5.0  # loosely: the exact figure is measured by benchmark/online/soak.py
+    # loosely (0.3 s at most on an idle 2-vCPU machine): the exact figure is benchmark/online/soak.py's
+    assert small and max(small) < 2.5
     _assert_idle(server)
 
 
