@@ -154,7 +154,6 @@ class Tokenization:
 
     def __init__(self, manager: TokenizeManager, msg: TokenizeMsg) -> None:
         self.manager, self.msg = manager, msg
-        self.failed = False  # set by the worker when a step raised
         self._pieces: list[tuple[str, bool]] | None = None
         self._proof: LengthProof | None = None
 

@@ -146,16 +146,17 @@ class TokenizerWorker:
             item = call.popleft()
             if isinstance(item, TokensMsg):
                 replies.append(answer_tokens(self.tokenize_manager, item))
-            elif item.msg.uids if isinstance(item, Tokenization) else item.uids:  # not every choice aborted
+            else:
                 job = item if isinstance(item, Tokenization) else Tokenization(self.tokenize_manager, item)
-                ids = self._step(job, replies)
-                if ids is None and not job.failed:
-                    call.appendleft(job)  # more steps to go
-                else:
-                    for uid in job.msg.uids:
-                        del self._pending_uids[uid]
-                    if ids is not None:
-                        to_scheduler += self._requests_of(job.msg, ids, replies)
+                if job.msg.uids:  # not every choice aborted
+                    done, ids = self._step(job, replies)
+                    if not done:
+                        call.appendleft(job)  # more steps to go
+                    else:
+                        for uid in job.msg.uids:
+                            del self._pending_uids[uid]
+                        if ids is not None:
+                            to_scheduler += self._requests_of(job.msg, ids, replies)
             if call:
                 self.pending.append(call)
             if time.monotonic() >= end:
@@ -168,20 +169,22 @@ class TokenizerWorker:
         if replies:
             self._to_api.put(replies)
 
-    def _step(self, job: Tokenization, replies: list[UserReply | TokensReply]) -> list[int] | None:
-        """One step of a prompt's tokenization: its ids once done; on an error, every choice's reply (and
-        `job.failed` set)."""
+    def _step(
+        self, job: Tokenization, replies: list[UserReply | TokensReply]
+    ) -> tuple[bool, list[int] | None]:
+        """One step of a prompt's tokenization: (done, its ids once done); on an error (done, None), with
+        every choice's error reply."""
         msg = job.msg
         try:
-            return job.step()
+            ids = job.step()
+            return ids is not None, ids
         except RequestError as e:
             replies += [UserReply(uid, "", True, "error", str(e), e.code) for uid in msg.uids]
         except Exception as e:  # a request the tokenizer chokes on must not take the worker down
             logger.exception(f"requests {msg.uids}: tokenizing failed")
             error = f"the prompt could not be tokenized: {e}"
             replies += [UserReply(uid, "", True, "error", error) for uid in msg.uids]
-        job.failed = True
-        return None
+        return True, None
 
     def _requests_of(
         self, msg: TokenizeMsg, ids: list[int], replies: list[UserReply | TokensReply]
