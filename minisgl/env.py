@@ -126,6 +126,13 @@ class _Env:
             "query, head dim 128, 1, 2 or 4 query heads a KV head (15-25% faster on an FP8 pool on an H200; "
             "docs/benchmarks.md); 0: the Triton kernel everywhere",
         )
+        self.DECODE_TENSOR_CORES = EnvVar(
+            "MINISGL_DECODE_TENSOR_CORES",
+            False,
+            "with MINISGL_DECODE_CUDA over an FP8 pool, decode attention by the tensor-core kernel "
+            "(minisgl/kernel/cuda/decode_tc.cu: 1, 2, 4 or 8 query heads a KV head); 0: decode.cu's CUDA-core "
+            "kernel",
+        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
             16,

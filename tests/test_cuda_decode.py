@@ -17,7 +17,7 @@ from tiny import random_prompts
 
 from minisgl.env import ENV
 from minisgl.kernel import cuda as cuda_kernels
-from minisgl.kernel.cuda.decode import CudaDecode, kernel_name, program
+from minisgl.kernel.cuda.decode import CudaDecode, TensorCoreDecode, kernel_name, program
 
 # what decode.cu takes: the engine's variants and groups (minisgl/kernel/cuda/decode.py) and those
 # benchmark/offline/decode_cuda.py measures (4 query heads a KV head, 16 threads a key)
@@ -79,7 +79,7 @@ def test_a_cubin_is_compiled_once_then_read_from_the_cache(
 
 @pytest.mark.parametrize("n_keys,group", [(45, 2), (5, 1), (64, 8)])
 def test_the_tensor_core_candidates_fragment_layouts_give_attention(n_keys: int, group: int) -> None:
-    """benchmark/offline/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts."""
+    """minisgl/kernel/cuda/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
     from decode_tc import emulate
 
@@ -87,14 +87,13 @@ def test_the_tensor_core_candidates_fragment_layouts_give_attention(n_keys: int,
 
 
 @needs_nvrtc
-def test_the_tensor_core_candidate_compiles_for_hopper_without_spills() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
-    from decode_tc import SOURCE
-
-    _, log = cuda_kernels.compile_cubin(open(SOURCE).read(), "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
-    blocks = log.split("Compiling entry function '")[1:]
-    assert len(blocks) == 4
-    assert all("0 bytes spill stores, 0 bytes spill loads" in block for block in blocks)
+def test_the_tensor_core_kernels_compile_for_hopper_without_spills() -> None:
+    src = cuda_kernels.source("decode_tc.cu")
+    _, log = cuda_kernels.compile_cubin(src, "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
+    got = {block.split("'")[0]: block for block in log.split("Compiling entry function '")[1:]}
+    tc = TensorCoreDecode.__new__(TensorCoreDecode)
+    assert set(got) == {tc.kernel(g, (0, 0)) for g in TensorCoreDecode.GROUPS}
+    assert all("0 bytes spill stores, 0 bytes spill loads" in block for block in got.values())
 
 
 def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,8 +114,17 @@ def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.M
     assert triton_backend._cuda_decode(pool, torch.device("cpu")) is None  # type: ignore[arg-type]
     small = SimpleNamespace(head_dim=64, dtype=torch.bfloat16)
     assert triton_backend._cuda_decode(small, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+    # an FP8 pool takes the tensor-core kernel where MINISGL_DECODE_TENSOR_CORES asks for it
+    monkeypatch.setattr(triton_backend, "TensorCoreDecode", lambda *a, **k: "tensor cores")
+    fp8_pool = SimpleNamespace(head_dim=128, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", True)
+    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) == "tensor cores"  # type: ignore[arg-type]
+    assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) == "kernel"  # type: ignore[arg-type]
+    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", False)
+    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) == "kernel"  # type: ignore[arg-type]
     monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
     assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -184,6 +192,39 @@ def test_the_kernel_attends_as_a_float64_reference(
     assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
 
 
+@pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
+@pytest.mark.parametrize("group", TensorCoreDecode.GROUPS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_the_tensor_core_kernel_attends_as_a_float64_reference(group: int, num_splits: int, ordered: bool) -> None:
+    """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones."""
+    from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
+
+    from minisgl.kernel.attention import decode_order
+
+    lens, hk, d = [1, 5, 37, 300, 129, 1000, 64, 16], 2, 128
+    hq = group * hk
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + num_splits)
+    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+    qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
+    q = qkv[:, : hq * d].view(len(lens), hq, d)
+    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
+    kernel = _tensor_cores()
+    assert kernel.applies(q, k8) and not kernel.applies(q, k8.bfloat16())
+    out = kernel(q, k8, v8, table, rows, seq, num_splits, d**-0.5, ks, vs, order)
+    ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
+    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
+    # f16 products (10-bit mantissas for q and the weights) and the bf16 output: within 2**-7 relative
+    assert rel_err(out.float().cpu(), ref) < 8e-3
+
+
+@functools.cache
+def _tensor_cores() -> TensorCoreDecode:
+    return TensorCoreDecode()
+
+
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -198,13 +239,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "variant,kv",
-    [("qwen3-head-dim-128", "auto"), ("llama-head-dim-128-mha", "auto"), ("qwen3-head-dim-128", "fp8_e4m3")],
+    "variant,kv,tensor_cores",
+    [
+        ("qwen3-head-dim-128", "auto", False),
+        ("llama-head-dim-128-mha", "auto", False),
+        ("qwen3-head-dim-128", "fp8_e4m3", False),
+        ("qwen3-head-dim-128", "fp8_e4m3", True),
+    ],
 )
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kernel(
-    variant: str, kv: str, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+    variant: str, kv: str, tensor_cores: bool, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """24 requests decoding together (the rotary kernel apart, so every decode step takes the CUDA kernel,
     in its graph): each step's logits within test_gpu's bf16 bound of transformers' float32 logits (bf16
@@ -215,10 +261,12 @@ def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kerne
 
     folder = tiny_model(variant)
     monkeypatch.setattr(ENV.FUSED_DECODE_ROPE, "value", 0)
+    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", tensor_cores)
     calls: list[int] = []
     call = CudaDecode.__call__
 
     def counted(self: CudaDecode, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert isinstance(self, TensorCoreDecode) == tensor_cores
         calls.append(args[0].shape[0])
         return call(self, *args, **kwargs)
 

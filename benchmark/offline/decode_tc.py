@@ -1,4 +1,4 @@
-"""FP8 decode attention on the tensor cores (decode_tc.cu, a candidate) against the engine's CUDA-core kernel
+"""FP8 decode attention on the tensor cores (minisgl/kernel/cuda/decode_tc.cu) against the CUDA-core kernel
 (minisgl/kernel/cuda/decode.cu) and the Triton kernel, each alone, on the workload's contexts halfway.
 
     python benchmark/offline/decode_tc.py [--batches 16,64,128,256] [--groups 2,4] [--json out.json]
@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_tc.cu")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "minisgl", "kernel", "cuda", "decode_tc.cu")
 HK = 8
 
 
@@ -133,19 +133,8 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
 
 
 def tensor_core_kernels() -> Any:
-    """The candidate behind CudaDecode's launcher: the same arguments, grid and merge."""
-    from minisgl.kernel.cuda import load_module
-    from minisgl.kernel.cuda.decode import CudaDecode
-
-    class TensorCoreDecode(CudaDecode):
-        def __init__(self) -> None:  # noqa: D107  (no super(): its module is decode.cu's)
-            self.fp8 = True
-            self.variants = ((0, 0),)
-            self.groups = (1, 2, 4, 8)
-            self.module = load_module(open(SOURCE).read(), "decode_tc.cu")
-
-        def kernel(self, group: int, variant: tuple[int, int]) -> str:
-            return f"decode_tc_fp8_g{group}"
+    """The engine's launcher of decode_tc.cu (the same arguments, grid and merge as decode.cu's)."""
+    from minisgl.kernel.cuda.decode import TensorCoreDecode
 
     return TensorCoreDecode()
 

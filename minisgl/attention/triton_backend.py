@@ -26,7 +26,7 @@ from minisgl.kernel.attention import (
     ordered_from,
 )
 from minisgl.kernel.cuda import CudaUnavailable
-from minisgl.kernel.cuda.decode import HEAD_DIM, CudaDecode
+from minisgl.kernel.cuda.decode import HEAD_DIM, CudaDecode, TensorCoreDecode
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.utils.logger import init_logger
@@ -55,6 +55,8 @@ def _cuda_decode(kv_cache: MHAKVCache, device: torch.device) -> CudaDecode | Non
     if kv_cache.dtype not in (torch.bfloat16, FP8_DTYPE):
         return None
     try:
+        if kv_cache.dtype == FP8_DTYPE and ENV.DECODE_TENSOR_CORES.value:
+            return TensorCoreDecode(device.index or 0)
         return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention by the Triton kernel only: {e}")

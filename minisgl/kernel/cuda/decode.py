@@ -4,7 +4,8 @@ bf16 or FP8 pool.
 
 On an H200 it reads the workload's FP8 rows 15-25% faster than the Triton kernel at every batch size, and bf16
 rows as fast or faster (docs/benchmarks.md, "Decode attention in CUDA C++"). The attention backend uses it
-where it applies (MINISGL_DECODE_CUDA; 0: the Triton kernel everywhere).
+where it applies (MINISGL_DECODE_CUDA; 0: the Triton kernel everywhere). `TensorCoreDecode` is decode_tc.cu's
+kernel for an FP8 pool: the same launch, the products on the tensor cores (MINISGL_DECODE_TENSOR_CORES).
 """
 
 from __future__ import annotations
@@ -142,3 +143,21 @@ class CudaDecode:
                 BLOCK_D=d, BLOCK_S=next_pow2(num_splits), num_warps=4,
             )  # fmt: skip
         return out
+
+
+class TensorCoreDecode(CudaDecode):
+    """decode_tc.cu's kernels: an FP8 pool, 1, 2, 4 or 8 query heads a KV head, one variant; S = K Q^T and the
+    weighted sum of V by mma.sync, about a quarter of decode.cu's instructions a key (decode_tc.cu says how)."""
+
+    GROUPS = (1, 2, 4, 8)
+
+    def __init__(self, device_index: int = 0) -> None:  # noqa: D107  (decode.cu's module is not built)
+        self.fp8 = True
+        self.variants = ((0, 0),)
+        self.groups = self.GROUPS
+        self.module = load_module(source("decode_tc.cu"), "decode_tc.cu", device_index)
+        for g in self.groups:
+            self.module.function(self.kernel(g, self.variants[0]))
+
+    def kernel(self, group: int, variant: tuple[int, int]) -> str:
+        return f"decode_tc_fp8_g{group}"

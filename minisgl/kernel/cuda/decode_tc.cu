@@ -1,6 +1,7 @@
 // FP8 paged decode attention on the tensor cores (mma.sync m16n8k16, f16 in, f32 out), head dim 128, G <= 8
-// query heads a KV head. A candidate against minisgl/kernel/cuda/decode.cu (the CUDA cores): the same arguments,
-// the same split outputs. benchmark/offline/decode_tc.py compiles, checks and times it.
+// query heads a KV head: decode.cu's work on an FP8 pool (the same arguments, grid and split outputs) on the
+// tensor cores. minisgl/kernel/cuda/decode.py's TensorCoreDecode launches it; benchmark/offline/decode_tc.py
+// times it against decode.cu's kernel and Triton's.
 //
 // A program is one (KV head, request, split), 4 warps; a warp takes tiles of 16 keys (tile w, w + 4, ...).
 // Per tile, S = K Q^T by 8 mma (keys the M rows, queries the N columns: G of the 8 used, the rest zero), then
