@@ -196,7 +196,9 @@ def test_the_kernel_attends_as_a_float64_reference(
 @pytest.mark.parametrize("group", TensorCoreDecode.GROUPS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_the_tensor_core_kernel_attends_as_a_float64_reference(group: int, num_splits: int, ordered: bool) -> None:
+def test_the_tensor_core_kernel_attends_as_a_float64_reference(
+    group: int, num_splits: int, ordered: bool
+) -> None:
     """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones."""
     from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
 
@@ -250,7 +252,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kernel(
-    variant: str, kv: str, tensor_cores: bool, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+    variant: str,
+    kv: str,
+    tensor_cores: bool,
+    tiny_model: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """24 requests decoding together (the rotary kernel apart, so every decode step takes the CUDA kernel,
     in its graph): each step's logits within test_gpu's bf16 bound of transformers' float32 logits (bf16

@@ -25,7 +25,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "minisgl", "kernel", "cuda", "decode_tc.cu")
+SOURCE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "minisgl", "kernel", "cuda", "decode_tc.cu"
+)
 HK = 8
 
 
