@@ -17,7 +17,14 @@ from tiny import random_prompts
 
 from minisgl.env import ENV
 from minisgl.kernel import cuda as cuda_kernels
-from minisgl.kernel.cuda.decode import CudaDecode, TensorCoreDecode, kernel_name, program
+from minisgl.kernel.cuda.decode import (
+    TC_VARIANTS,
+    CudaDecode,
+    TensorCoreDecode,
+    kernel_name,
+    program,
+    tc_kernel_name,
+)
 
 # what decode.cu takes: the engine's variants and groups (minisgl/kernel/cuda/decode.py) and those
 # benchmark/offline/decode_cuda.py measures (4 query heads a KV head, 16 threads a key)
@@ -77,22 +84,25 @@ def test_a_cubin_is_compiled_once_then_read_from_the_cache(
     assert len(list((tmp_path / "cuda_kernels").glob("decode_fp8_sm_90_*.cubin"))) == 1
 
 
-@pytest.mark.parametrize("n_keys,group", [(45, 2), (5, 1), (64, 8)])
-def test_the_tensor_core_candidates_fragment_layouts_give_attention(n_keys: int, group: int) -> None:
+@pytest.mark.parametrize("n_keys,group,spread", [(45, 2, True), (5, 1, False), (64, 8, True), (33, 4, False)])
+def test_the_tensor_core_kernels_fragment_layouts_give_attention(
+    n_keys: int, group: int, spread: bool
+) -> None:
     """minisgl/kernel/cuda/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
     from decode_tc import emulate
 
-    assert emulate(n_keys, group) < 1e-9
+    assert emulate(n_keys, group, spread=spread) < 1e-9
 
 
 @needs_nvrtc
 def test_the_tensor_core_kernels_compile_for_hopper_without_spills() -> None:
-    src = cuda_kernels.source("decode_tc.cu")
-    _, log = cuda_kernels.compile_cubin(src, "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
+    from decode_tc import tc_program
+
+    _, log = cuda_kernels.compile_cubin(tc_program(), "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
     got = {block.split("'")[0]: block for block in log.split("Compiling entry function '")[1:]}
-    tc = TensorCoreDecode.__new__(TensorCoreDecode)
-    assert set(got) == {tc.kernel(g, (0, 0)) for g in TensorCoreDecode.GROUPS}
+    assert set(got) == {tc_kernel_name(g, v) for g in TensorCoreDecode.GROUPS for v in TC_VARIANTS}
     assert all("0 bytes spill stores, 0 bytes spill loads" in block for block in got.values())
 
 
@@ -192,12 +202,13 @@ def test_the_kernel_attends_as_a_float64_reference(
     assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
 
 
+@pytest.mark.parametrize("variant", TC_VARIANTS)
 @pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
 @pytest.mark.parametrize("group", TensorCoreDecode.GROUPS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_tensor_core_kernel_attends_as_a_float64_reference(
-    group: int, num_splits: int, ordered: bool
+    group: int, num_splits: int, ordered: bool, variant: tuple[int, int]
 ) -> None:
     """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones."""
     from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
@@ -215,7 +226,7 @@ def test_the_tensor_core_kernel_attends_as_a_float64_reference(
     order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
     kernel = _tensor_cores()
     assert kernel.applies(q, k8) and not kernel.applies(q, k8.bfloat16())
-    out = kernel(q, k8, v8, table, rows, seq, num_splits, d**-0.5, ks, vs, order)
+    out = kernel(q, k8, v8, table, rows, seq, num_splits, d**-0.5, ks, vs, order, variant)
     ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
     assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
     # f16 products (10-bit mantissas for q and the weights) and the bf16 output: within 2**-7 relative
@@ -224,7 +235,7 @@ def test_the_tensor_core_kernel_attends_as_a_float64_reference(
 
 @functools.cache
 def _tensor_cores() -> TensorCoreDecode:
-    return TensorCoreDecode()
+    return TensorCoreDecode(variants=TC_VARIANTS)
 
 
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:

@@ -31,10 +31,21 @@ SOURCE = os.path.join(
 HK = 8
 
 
+def tc_program() -> str:
+    """decode_tc.cu with every variant TC_VARIANTS names, for each query group."""
+    from minisgl.kernel.cuda.decode import TC_VARIANTS, TensorCoreDecode, tc_kernel_name
+
+    return open(SOURCE).read() + "".join(
+        f"DECODE_TC_KERNEL({tc_kernel_name(g, v)}, {g}, {'true' if v[0] else 'false'}, {v[1]})\n"
+        for g in TensorCoreDecode.GROUPS
+        for v in TC_VARIANTS
+    )
+
+
 def compile_only(arch: str) -> None:
     from minisgl.kernel.cuda import compile_cubin
 
-    _, log = compile_cubin(open(SOURCE).read(), arch, ["--ptxas-options=-v"], "decode_tc.cu")
+    _, log = compile_cubin(tc_program(), arch, ["--ptxas-options=-v"], "decode_tc.cu")
     for block in log.split("Compiling entry function '")[1:]:
         regs = re.search(r"Used (\d+) registers", block)
         spills = re.search(r"(\d+) bytes spill stores", block)
@@ -58,7 +69,12 @@ def _mma(a: list[list[float]], b: list[list[float]], c: list[list[float]]) -> li
     return [[out[lane // 4 + 8 * (i >= 2), 2 * (lane % 4) + (i & 1)] for i in range(4)] for lane in range(32)]
 
 
-def emulate(n_keys: int, group: int, seed: int = 0) -> float:
+def k_byte(t: int, j: int, spread: bool) -> int:
+    """decode_tc.cu's k_byte: the first dim of thread t's chunk j of a key row."""
+    return (16 * t + 4 * j if j < 4 else 64 + 16 * t + 4 * (j - 4)) if spread else 32 * t + 4 * j
+
+
+def emulate(n_keys: int, group: int, seed: int = 0, spread: bool = True) -> float:
     """decode_tc.cu's fragment arithmetic for one warp, lane by lane in float64 (its index formulas written
     out again, the mma from the PTX layouts), against plain attention: the largest absolute difference. A
     check of the layouts on any machine; rounding is not emulated."""
@@ -79,13 +95,13 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
 
     for kb0 in range(0, n_keys, tile):
         sc = [[0.0] * 4 for _ in lanes]
-        for j in range(8):  # S = K Q^T, chunk j: thread t's dims 32t + 4j .. 32t + 4j + 3
+        for j in range(8):  # S = K Q^T, chunk j: thread t's dims k_byte(t, j) .. + 3
             a, b = [], []
             for g, t in lanes:
-                ka, kb = row(k, kb0 + g)[32 * t : 32 * t + 32], row(k, kb0 + g + 8)[32 * t : 32 * t + 32]
-                a.append([ka[4 * j], ka[4 * j + 1], kb[4 * j], kb[4 * j + 1],
-                          ka[4 * j + 2], ka[4 * j + 3], kb[4 * j + 2], kb[4 * j + 3]])  # fmt: skip
-                b.append(list(q[g, 32 * t + 4 * j : 32 * t + 4 * j + 4]))
+                at = k_byte(t, j, spread)
+                ka, kb = row(k, kb0 + g)[at : at + 4], row(k, kb0 + g + 8)[at : at + 4]
+                a.append([ka[0], ka[1], kb[0], kb[1], ka[2], ka[3], kb[2], kb[3]])
+                b.append(list(q[g, at : at + 4]))
             sc = _mma(a, b, sc)
         p = [[0.0] * 4 for _ in lanes]
         for lane, (g, _) in enumerate(lanes):
@@ -136,13 +152,13 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
 
 def tensor_core_kernels() -> Any:
     """The engine's launcher of decode_tc.cu (the same arguments, grid and merge as decode.cu's)."""
-    from minisgl.kernel.cuda.decode import TensorCoreDecode
+    from minisgl.kernel.cuda.decode import TC_VARIANTS, TensorCoreDecode
 
-    return TensorCoreDecode()
+    return TensorCoreDecode(variants=TC_VARIANTS)
 
 
 def check_reference(tc: Any) -> float:
-    """The largest relative error against a float64 reference over small cases; raises past 8e-3."""
+    """The largest relative error against a float64 reference over small cases, every variant; raises past 8e-3."""
     import torch
     from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
 
@@ -157,13 +173,16 @@ def check_reference(tc: Any) -> float:
             q = qkv[:, : hq * d].view(len(lens), hq, d)
             rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
             seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            out = tc(q, k8, v8, table, rows, seq, splits, d**-0.5, ks, vs, None, (0, 0))
             ref = reference_attention(
                 q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens)
             )
-            err = rel_err(out.float().cpu(), ref)
-            print(f"reference check G={group} splits={splits}: relative error {err:.2e}", flush=True)
-            worst = max(worst, err)
+            for variant in tc.variants:
+                out = tc(q, k8, v8, table, rows, seq, splits, d**-0.5, ks, vs, None, variant)
+                err = rel_err(out.float().cpu(), ref)
+                print(
+                    f"reference check G={group} splits={splits} variant {variant}: relative error {err:.2e}"
+                )
+                worst = max(worst, err)
     if worst >= 8e-3:
         raise SystemExit(
             f"the tensor-core kernel is off the reference (relative error {worst:.2e}): no timing"
@@ -184,11 +203,10 @@ def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[di
     def triton() -> Any:
         return attn.decode_attention(*args, None, order)
 
-    def tensor_cores() -> Any:
-        return tc(*args, order, (0, 0))
-
     ref = triton().float()
-    runs = {"triton": triton, "tensor cores": tensor_cores}
+    runs = {"triton": triton}
+    for variant in tc.variants:
+        runs[f"tc spread={variant[0]}"] = lambda variant=variant: tc(*args, order, variant)
     if cores is not None and group in cores.groups:
         runs["CUDA cores"] = lambda: cores(*args, order=order)
     rows = []
@@ -224,9 +242,17 @@ def main() -> None:
         compile_only(args.arch)
         return
     if args.emulate:
-        for n_keys, group in ((45, 2), (16, 1), (33, 4), (64, 8), (5, 2)):
-            err = emulate(n_keys, group)
-            print(f"emulated one warp, {n_keys} keys, {group} query heads: max difference {err:.1e}")
+        for n_keys, group, spread in (
+            (45, 2, True),
+            (16, 1, False),
+            (33, 4, True),
+            (64, 8, False),
+            (5, 2, True),
+        ):
+            err = emulate(n_keys, group, spread=spread)
+            print(
+                f"emulated one warp, {n_keys} keys, {group} query heads, spread={spread}: max difference {err:.1e}"
+            )
             if err > 1e-9:
                 raise SystemExit("the fragment layouts do not give attention")
         return

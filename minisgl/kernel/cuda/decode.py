@@ -145,19 +145,38 @@ class CudaDecode:
         return out
 
 
+# decode_tc.cu's variants: (SPREAD, MIN_BLOCKS), see the kernel
+TC_VARIANTS = ((1, 1), (0, 1))
+TC_VARIANT = (1, 1)
+
+
+def tc_kernel_name(group: int, variant: tuple[int, int]) -> str:
+    spread, min_blocks = variant
+    return f"decode_tc_fp8_g{group}_s{spread}_b{min_blocks}"
+
+
 class TensorCoreDecode(CudaDecode):
-    """decode_tc.cu's kernels: an FP8 pool, 1, 2, 4 or 8 query heads a KV head, one variant; S = K Q^T and the
-    weighted sum of V by mma.sync, about a quarter of decode.cu's instructions a key (decode_tc.cu says how)."""
+    """decode_tc.cu's kernels: an FP8 pool, 1, 2, 4 or 8 query heads a KV head; S = K Q^T and the weighted sum
+    of V by mma.sync, about a quarter of decode.cu's instructions a key (decode_tc.cu says how)."""
 
     GROUPS = (1, 2, 4, 8)
 
-    def __init__(self, device_index: int = 0) -> None:  # noqa: D107  (decode.cu's module is not built)
+    def __init__(self, device_index: int = 0, variants: tuple[tuple[int, int], ...] = (TC_VARIANT,)) -> None:
         self.fp8 = True
-        self.variants = ((0, 0),)
+        self.variants = variants
         self.groups = self.GROUPS
-        self.module = load_module(source("decode_tc.cu"), "decode_tc.cu", device_index)
+        src = source("decode_tc.cu") + "".join(
+            f"DECODE_TC_KERNEL({tc_kernel_name(g, v)}, {g}, {'true' if v[0] else 'false'}, {v[1]})\n"
+            for g in self.groups
+            for v in variants
+        )
+        self.module = load_module(src, "decode_tc.cu", device_index)
         for g in self.groups:
-            self.module.function(self.kernel(g, self.variants[0]))
+            for v in variants:
+                self.module.function(tc_kernel_name(g, v))
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
-        return f"decode_tc_fp8_g{group}"
+        return tc_kernel_name(group, variant)
+
+    def variant(self, batch_size: int) -> tuple[int, int]:
+        return self.variants[0]

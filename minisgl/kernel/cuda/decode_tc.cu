@@ -76,15 +76,25 @@ __device__ __forceinline__ Slots tile_slots(const int* table, int kb0, int end, 
     return s;
 }
 
+// SPREAD: a thread's 32 bytes of a key row are bytes 16t .. 16t + 15 and 64 + 16t .. 64 + 16t + 15, so that each
+// 16-byte load of the warp takes whole 32-byte sectors (4 lanes, 64 contiguous bytes a row); otherwise bytes
+// 32t .. 32t + 31, where each load takes half of every sector it touches and the next load the other half
+template <bool SPREAD>
+__device__ __forceinline__ int k_byte(int t, int j) {  // the first of the 4 bytes (dims) of chunk j of thread t
+    return SPREAD ? (j < 4 ? 16 * t + 4 * j : 64 + 16 * t + 4 * (j - 4)) : 32 * t + 4 * j;
+}
+
+template <bool SPREAD>
 __device__ __forceinline__ Tile load_tile(const char* K, const char* V, const Slots& s, long long stride_kt,
                                           long long kcol, long long vcol) {
     Tile r;
+    constexpr int second = SPREAD ? 4 : 1;  // the second 16-byte word, in words after the first
     const uint4* pa = reinterpret_cast<const uint4*>(K + s.ka * stride_kt + kcol);
     const uint4* pb = reinterpret_cast<const uint4*>(K + s.kb * stride_kt + kcol);
     r.ka[0] = __ldg(pa);
-    r.ka[1] = __ldg(pa + 1);
+    r.ka[1] = __ldg(pa + second);
     r.kb[0] = __ldg(pb);
-    r.kb[1] = __ldg(pb + 1);
+    r.kb[1] = __ldg(pb + second);
 #pragma unroll
     for (int i = 0; i < 4; ++i) r.v[i] = __ldg(reinterpret_cast<const uint4*>(V + s.v[i] * stride_kt + vcol));
     return r;
@@ -100,7 +110,7 @@ __device__ __forceinline__ u32 word1(const uint4& w, int i) {
     return p[i];
 }
 
-template <int G>
+template <int G, bool SPREAD>
 __device__ __forceinline__ void decode_tc_body(
     const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
     float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
@@ -121,13 +131,13 @@ __device__ __forceinline__ void decode_tc_body(
     const float vscale = VScale[0];
     const float scale = qk_scale * KScale[0];
 
-    // Q as the B operand of S = K Q^T: query g's dims 32t + 4j .. 32t + 4j + 3 for chunk j (zero for g >= G)
+    // Q as the B operand of S = K Q^T: query g's dims k_byte(t, j) .. + 3 for chunk j (zero for g >= G)
     u32 qf[8][2];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (g < G) {
-            const uint2 w = __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh + 32 * t + 4 * j));
+            const uint2 w = __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh + k_byte<SPREAD>(t, j)));
             x[0] = bf16_to_f32(w.x & 0xffff) * scale;
             x[1] = bf16_to_f32(w.x >> 16) * scale;
             x[2] = bf16_to_f32(w.y & 0xffff) * scale;
@@ -145,15 +155,15 @@ __device__ __forceinline__ void decode_tc_body(
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
 
     const int* table = PageTable + row * stride_pt;
-    const long long kcol = kvh * stride_kh + 32 * t, vcol = kvh * stride_kh + 16 * g;
+    const long long kcol = kvh * stride_kh + k_byte<SPREAD>(t, 0), vcol = kvh * stride_kh + 16 * g;
     int kb0 = start + warp * TILE;
     const int stride = WARPS * TILE;
     Slots slots_next = tile_slots(table, kb0 + stride, end, g, t);
-    Tile next = load_tile(K, V, tile_slots(table, kb0, end, g, t), stride_kt, kcol, vcol);
+    Tile next = load_tile<SPREAD>(K, V, tile_slots(table, kb0, end, g, t), stride_kt, kcol, vcol);
     for (; kb0 < end; kb0 += stride) {
         const Tile cur = next;
         if (kb0 + stride < end) {  // the same for the whole warp
-            next = load_tile(K, V, slots_next, stride_kt, kcol, vcol);
+            next = load_tile<SPREAD>(K, V, slots_next, stride_kt, kcol, vcol);
             slots_next = tile_slots(table, kb0 + 2 * stride, end, g, t);
         }
         // S = K Q^T: rows keys kb0 + g and kb0 + g + 8, columns queries 2t, 2t + 1
@@ -259,19 +269,16 @@ __device__ __forceinline__ void decode_tc_body(
     }
 }
 
-#define DECODE_TC_KERNEL(NAME, G)                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
+// minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, SPREAD (load_tile), and MIN_BLOCKS
+// programs an SM that ptxas must fit in the registers (1: as many registers as it likes)
+#define DECODE_TC_KERNEL(NAME, G, SPREAD, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(                                        \
         const bf16_t* Q, const char* K, const char* V, bf16_t* Out, float* MidO, float* MidLse,                \
         const int* PageTable, const int* Rows, const int* SeqLens, const int* Order, const float* KScale,      \
         const float* VScale, long long stride_qt, long long stride_qh, long long stride_kt, long long stride_kh, \
         long long stride_pt, long long stride_ot, long long stride_oh, int num_qo_heads, int num_splits,       \
         float qk_scale) {                                                                                      \
-        decode_tc_body<G>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale, stride_qt, \
-                          stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh, num_qo_heads,       \
-                          num_splits, qk_scale);                                                               \
+        decode_tc_body<G, SPREAD>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,  \
+                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh,  \
+                                  num_qo_heads, num_splits, qk_scale);                                         \
     }
-
-DECODE_TC_KERNEL(decode_tc_fp8_g1, 1)
-DECODE_TC_KERNEL(decode_tc_fp8_g2, 2)
-DECODE_TC_KERNEL(decode_tc_fp8_g4, 4)
-DECODE_TC_KERNEL(decode_tc_fp8_g8, 8)
