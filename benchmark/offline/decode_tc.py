@@ -33,13 +33,9 @@ HK = 8
 
 def tc_program() -> str:
     """decode_tc.cu with every variant TC_VARIANTS names, for each query group."""
-    from minisgl.kernel.cuda.decode import TC_VARIANTS, TensorCoreDecode, tc_kernel_name
+    from minisgl.kernel.cuda.decode import TC_VARIANTS, tc_program
 
-    return open(SOURCE).read() + "".join(
-        f"DECODE_TC_KERNEL({tc_kernel_name(g, v)}, {g}, {'true' if v[0] else 'false'}, {v[1]})\n"
-        for g in TensorCoreDecode.GROUPS
-        for v in TC_VARIANTS
-    )
+    return tc_program(TC_VARIANTS)
 
 
 def compile_only(arch: str) -> None:
@@ -69,12 +65,7 @@ def _mma(a: list[list[float]], b: list[list[float]], c: list[list[float]]) -> li
     return [[out[lane // 4 + 8 * (i >= 2), 2 * (lane % 4) + (i & 1)] for i in range(4)] for lane in range(32)]
 
 
-def k_byte(t: int, j: int, spread: bool) -> int:
-    """decode_tc.cu's k_byte: the first dim of thread t's chunk j of a key row."""
-    return (16 * t + 4 * j if j < 4 else 64 + 16 * t + 4 * (j - 4)) if spread else 32 * t + 4 * j
-
-
-def emulate(n_keys: int, group: int, seed: int = 0, spread: bool = True) -> float:
+def emulate(n_keys: int, group: int, seed: int = 0) -> float:
     """decode_tc.cu's fragment arithmetic for one warp, lane by lane in float64 (its index formulas written
     out again, the mma from the PTX layouts), against plain attention: the largest absolute difference. A
     check of the layouts on any machine; rounding is not emulated."""
@@ -95,10 +86,10 @@ def emulate(n_keys: int, group: int, seed: int = 0, spread: bool = True) -> floa
 
     for kb0 in range(0, n_keys, tile):
         sc = [[0.0] * 4 for _ in lanes]
-        for j in range(8):  # S = K Q^T, chunk j: thread t's dims k_byte(t, j) .. + 3
+        for j in range(8):  # S = K Q^T, chunk j: thread t's dims 32t + 4j .. 32t + 4j + 3
             a, b = [], []
             for g, t in lanes:
-                at = k_byte(t, j, spread)
+                at = 32 * t + 4 * j
                 ka, kb = row(k, kb0 + g)[at : at + 4], row(k, kb0 + g + 8)[at : at + 4]
                 a.append([ka[0], ka[1], kb[0], kb[1], ka[2], ka[3], kb[2], kb[3]])
                 b.append(list(q[g, at : at + 4]))
@@ -206,7 +197,7 @@ def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[di
     ref = triton().float()
     runs = {"triton": triton}
     for variant in tc.variants:
-        runs[f"tc spread={variant[0]}"] = lambda variant=variant: tc(*args, order, variant)
+        runs[f"tc {variant[0]} stages"] = lambda variant=variant: tc(*args, order, variant)
     if cores is not None and group in cores.groups:
         runs["CUDA cores"] = lambda: cores(*args, order=order)
     rows = []
@@ -242,17 +233,9 @@ def main() -> None:
         compile_only(args.arch)
         return
     if args.emulate:
-        for n_keys, group, spread in (
-            (45, 2, True),
-            (16, 1, False),
-            (33, 4, True),
-            (64, 8, False),
-            (5, 2, True),
-        ):
-            err = emulate(n_keys, group, spread=spread)
-            print(
-                f"emulated one warp, {n_keys} keys, {group} query heads, spread={spread}: max difference {err:.1e}"
-            )
+        for n_keys, group in ((45, 2), (16, 1), (33, 4), (64, 8), (5, 2)):
+            err = emulate(n_keys, group)
+            print(f"emulated one warp, {n_keys} keys, {group} query heads: max difference {err:.1e}")
             if err > 1e-9:
                 raise SystemExit("the fragment layouts do not give attention")
         return

@@ -4,16 +4,16 @@
 # then against Triton's and the CUDA-core kernel's outputs and times at 16-256 requests, 2 and 4 query heads a
 # KV head; Nsight Compute on each variant at 256 requests; the CUDA decode tests; then (unless the first
 # argument is "kernels") the upstream workload with the FP8 cache, the CUDA-core kernel then the tensor cores
-# (fresh processes, first run and second). Results go to $OUT (or ./out).
+# (TC_VARIANT; fresh processes, first run and second). Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
 timeout 60 python benchmark/offline/decode_tc.py --compile-only --arch "sm_$(python -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")"
 timeout 150 python benchmark/offline/decode_tc.py --json "$OUT/decode_tc.json" 2>&1 | grep -v Warn | tail -40
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2> /dev/null | head -1)
-timeout 120 "$NCU" --clock-control none -k "regex:decode_tc" --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+timeout 120 "$NCU" --clock-control none -k "regex:decode_tc" --launch-skip 4 --launch-count 4 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     python benchmark/offline/decode_ncu.py --tc > "$OUT/ncu_tc.txt" 2>&1
-grep -E "decode_tc|Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Registers Per|Achieved Occupancy|No Eligible|Stall|sectors" \
+grep -E "  decode_tc|Duration|DRAM Throughput|Warp Cycles Per Issued|Block Limit (Reg|Shared)|Achieved Active Warps|bank" \
     "$OUT/ncu_tc.txt" | head -60
 timeout 150 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py 2>&1 \
     | tee "$OUT/cuda_decode_tests.log" | tail -4

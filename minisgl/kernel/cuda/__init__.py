@@ -114,6 +114,11 @@ def _driver() -> ctypes.CDLL:
         raise CudaUnavailable(f"the CUDA driver library could not be loaded: {e}") from e
 
 
+# CUfunction_attribute values (cuda.h)
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_SHARED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent of the L1 / shared total
+
+
 class CudaModule:
     """A cubin loaded into the current CUDA context (torch's primary context: torch must have initialised
     CUDA first); its kernels launched on a torch stream."""
@@ -137,15 +142,31 @@ class CudaModule:
             self.functions[name] = fn
         return fn
 
+    def allow_shared(self, name: str, size: int) -> None:
+        """Let `name` take `size` bytes of dynamic shared memory (over 48 KB needs the attribute), with as much of
+        each SM's L1 given to shared memory as the hardware allows."""
+        fn = self.function(name)
+        self._check(
+            self.driver.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, size), f"cuFuncSetAttribute({name})"
+        )
+        self._check(self.driver.cuFuncSetAttribute(fn, _SHARED_CARVEOUT, 100), f"cuFuncSetAttribute({name})")
+
     def launch(
-        self, name: str, grid: tuple[int, int, int], block: int, args: Sequence[Any], stream: int
+        self,
+        name: str,
+        grid: tuple[int, int, int],
+        block: int,
+        args: Sequence[Any],
+        stream: int,
+        shared: int = 0,
     ) -> None:
-        """`args` in the kernel's order: ctypes values as they are, ints as pointers (data_ptr())."""
+        """`args` in the kernel's order: ctypes values as they are, ints as pointers (data_ptr()); `shared`
+        bytes of dynamic shared memory a block."""
         holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
         # cuLaunchKernel takes an array of pointers to each argument's value
         params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
         rc = self.driver.cuLaunchKernel(
-            self.function(name), *grid, block, 1, 1, 0, ctypes.c_void_p(stream), params, None
+            self.function(name), *grid, block, 1, 1, shared, ctypes.c_void_p(stream), params, None
         )
         self._check(rc, f"cuLaunchKernel({name})")
 

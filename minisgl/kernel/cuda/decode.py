@@ -94,6 +94,10 @@ class CudaDecode:
         """The entry point for `group` query heads a KV head and `variant` (benchmarks' candidates override it)."""
         return kernel_name(group, variant, self.fp8)
 
+    def shared_bytes(self, variant: tuple[int, int]) -> int:
+        """Dynamic shared memory a program of `variant` takes (decode.cu's: none)."""
+        return 0
+
     def variant(self, batch_size: int) -> tuple[int, int]:
         """The engine's choice: the last of `variants` up to SMALL_BATCH rows, the first above."""
         return self.variants[-1] if batch_size <= SMALL_BATCH else self.variants[0]
@@ -134,9 +138,10 @@ class CudaDecode:
             ctypes.c_int64(out.stride(1)), ctypes.c_int32(hq), ctypes.c_int32(num_splits),
             ctypes.c_float(sm_scale * _LOG2E),
         )  # fmt: skip
-        name = self.kernel(hq // hk, variant or self.variant(bs))
+        variant = variant or self.variant(bs)
+        name = self.kernel(hq // hk, variant)
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        self.module.launch(name, (hk, bs, num_splits), THREADS, args, stream)
+        self.module.launch(name, (hk, bs, num_splits), THREADS, args, stream, self.shared_bytes(variant))
         if num_splits > 1:
             _decode_merge_kernel[(bs, hq)](
                 mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, NUM_QO_HEADS=hq, D=d,
@@ -145,19 +150,31 @@ class CudaDecode:
         return out
 
 
-# decode_tc.cu's variants: (SPREAD, MIN_BLOCKS), see the kernel
-TC_VARIANTS = ((1, 1), (0, 1))
-TC_VARIANT = (1, 1)
+# decode_tc.cu's variants: (STAGES, MIN_BLOCKS), see the kernel; 0 stages: registers one tile ahead
+TC_VARIANTS = ((0, 1), (2, 4), (3, 4), (4, 3))
+TC_VARIANT = (3, 4)
+_JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
 def tc_kernel_name(group: int, variant: tuple[int, int]) -> str:
-    spread, min_blocks = variant
-    return f"decode_tc_fp8_g{group}_s{spread}_b{min_blocks}"
+    stages, min_blocks = variant
+    return f"decode_tc_fp8_g{group}_s{stages}_b{min_blocks}"
+
+
+def tc_program(variants: tuple[tuple[int, int], ...]) -> str:
+    """decode_tc.cu with a kernel for every query group and variant asked for."""
+    lines = [source("decode_tc.cu")]
+    for g in TensorCoreDecode.GROUPS:
+        for stages, min_blocks in variants:
+            lines.append(
+                f"DECODE_TC_KERNEL({tc_kernel_name(g, (stages, min_blocks))}, {g}, {stages}, {min_blocks})"
+            )
+    return "\n".join(lines) + "\n"
 
 
 class TensorCoreDecode(CudaDecode):
     """decode_tc.cu's kernels: an FP8 pool, 1, 2, 4 or 8 query heads a KV head; S = K Q^T and the weighted sum
-    of V by mma.sync, about a quarter of decode.cu's instructions a key (decode_tc.cu says how)."""
+    of V by mma.sync (decode_tc.cu says how)."""
 
     GROUPS = (1, 2, 4, 8)
 
@@ -165,18 +182,16 @@ class TensorCoreDecode(CudaDecode):
         self.fp8 = True
         self.variants = variants
         self.groups = self.GROUPS
-        src = source("decode_tc.cu") + "".join(
-            f"DECODE_TC_KERNEL({tc_kernel_name(g, v)}, {g}, {'true' if v[0] else 'false'}, {v[1]})\n"
-            for g in self.groups
-            for v in variants
-        )
-        self.module = load_module(src, "decode_tc.cu", device_index)
+        self.module = load_module(tc_program(variants), "decode_tc.cu", device_index)
         for g in self.groups:
             for v in variants:
-                self.module.function(tc_kernel_name(g, v))
+                self.module.allow_shared(tc_kernel_name(g, v), self.shared_bytes(v))
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
         return tc_kernel_name(group, variant)
+
+    def shared_bytes(self, variant: tuple[int, int]) -> int:
+        return max(variant[0] * 4 * 4096, _JOIN_BYTES)
 
     def variant(self, batch_size: int) -> tuple[int, int]:
         return self.variants[0]

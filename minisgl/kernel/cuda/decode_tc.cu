@@ -7,11 +7,16 @@
 // Per tile, S = K Q^T by 8 mma (keys the M rows, queries the N columns: G of the 8 used, the rest zero), then
 // O^T += V^T P^T by 8 mma (dims the M rows, keys the K dim). The dims inside each product are a permutation
 // of the real ones, chosen so that every thread's bytes of a K or V row are contiguous (one or two 16-byte
-// loads): in S = K Q^T, a thread with t = lane % 4 holds dims 32t .. 32t + 31 of its two key rows; in
+// words): in S = K Q^T, a thread with t = lane % 4 holds dims 32t .. 32t + 31 of its two key rows; in
 // O^T = V^T P^T, a thread with g = lane / 4 holds dims 16g .. 16g + 15 of its four key rows. The permutation
 // of a sum's terms changes nothing; the output dims are written back in place.
 // e4m3 pairs widen to f16 pairs in one instruction; P goes from the S fragment's layout to the B operand's by
-// four shuffles. Rows are loaded a tile ahead, their slots two tiles ahead.
+// four shuffles.
+//
+// How the rows reach the registers (STAGES, the kernel's variant): 0, each thread loads its own words of the
+// next tile into registers while it computes this one (their slots two tiles ahead); >= 2, each warp copies
+// its tiles into a ring of STAGES tiles in shared memory with cp.async, STAGES - 1 tiles ahead, and reads its
+// words from there: more bytes in flight an SM for fewer registers (a tile is 4 KB).
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 #ifndef INFINITY
@@ -76,25 +81,15 @@ __device__ __forceinline__ Slots tile_slots(const int* table, int kb0, int end, 
     return s;
 }
 
-// SPREAD: a thread's 32 bytes of a key row are bytes 16t .. 16t + 15 and 64 + 16t .. 64 + 16t + 15, so that each
-// 16-byte load of the warp takes whole 32-byte sectors (4 lanes, 64 contiguous bytes a row); otherwise bytes
-// 32t .. 32t + 31, where each load takes half of every sector it touches and the next load the other half
-template <bool SPREAD>
-__device__ __forceinline__ int k_byte(int t, int j) {  // the first of the 4 bytes (dims) of chunk j of thread t
-    return SPREAD ? (j < 4 ? 16 * t + 4 * j : 64 + 16 * t + 4 * (j - 4)) : 32 * t + 4 * j;
-}
-
-template <bool SPREAD>
 __device__ __forceinline__ Tile load_tile(const char* K, const char* V, const Slots& s, long long stride_kt,
                                           long long kcol, long long vcol) {
     Tile r;
-    constexpr int second = SPREAD ? 4 : 1;  // the second 16-byte word, in words after the first
     const uint4* pa = reinterpret_cast<const uint4*>(K + s.ka * stride_kt + kcol);
     const uint4* pb = reinterpret_cast<const uint4*>(K + s.kb * stride_kt + kcol);
     r.ka[0] = __ldg(pa);
-    r.ka[1] = __ldg(pa + second);
+    r.ka[1] = __ldg(pa + 1);
     r.kb[0] = __ldg(pb);
-    r.kb[1] = __ldg(pb + second);
+    r.kb[1] = __ldg(pb + 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) r.v[i] = __ldg(reinterpret_cast<const uint4*>(V + s.v[i] * stride_kt + vcol));
     return r;
@@ -110,137 +105,157 @@ __device__ __forceinline__ u32 word1(const uint4& w, int i) {
     return p[i];
 }
 
-template <int G, bool SPREAD>
-__device__ __forceinline__ void decode_tc_body(
-    const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
-    float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
-    const int* __restrict__ Rows, const int* __restrict__ SeqLens, const int* __restrict__ Order,
-    const float* __restrict__ KScale, const float* __restrict__ VScale, long long stride_qt, long long stride_qh,
-    long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,
-    int num_qo_heads, int num_splits, float qk_scale) {
-    constexpr int D = 128, WARPS = 4, TILE = 16;
-    const int kvh = blockIdx.x;
-    const int b = Order != nullptr ? Order[blockIdx.y] : blockIdx.y;
-    const int s = blockIdx.z;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const long long row = Rows[b];
-    const int seq_len = SeqLens[b];
-    const int chunk = ((seq_len + num_splits - 1) / num_splits + WARPS * TILE - 1) / (WARPS * TILE) * (WARPS * TILE);
-    const int start = s * chunk;
-    const int end = min(start + chunk, seq_len);
-    const float vscale = VScale[0];
-    const float scale = qk_scale * KScale[0];
+// the ring in shared memory: [warp][stage][K, V][key row 0..15][16-byte word 0..7], word w of row r stored at
+// w ^ (r & 7), so that the words a warp reads at once (S: rows g, g + 8, words 2t, 2t + 1; O: rows 2t.., word g)
+// and those it copies fall in distinct banks
+__device__ __forceinline__ int ring_word(int stage, int kv, int r, int w, int stages) {
+    return ((((threadIdx.x / 32) * stages + stage) * 2 + kv) * 16 + r) * 8 + (w ^ (r & 7));
+}
 
-    // Q as the B operand of S = K Q^T: query g's dims k_byte(t, j) .. + 3 for chunk j (zero for g >= G)
-    u32 qf[8][2];
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src, int src_bytes) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// the warp's tile at kb0 into stage `stage`: lane L copies words 4 (L % 2) .. + 3 of key row L / 2, of K and of V;
+// keys past `end` are zero-filled (no read)
+template <int STAGES>
+__device__ __forceinline__ void copy_tile(uint4* ring, const char* K, const char* V, const int* table, int kb0, int end,
+                                          long long stride_kt, long long head_col, int stage) {
+    const int lane = threadIdx.x % 32, r = lane / 2, w0 = 4 * (lane % 2);
+    const int key = kb0 + r;
+    const int bytes = key < end ? 16 : 0;
+    const long long at = (key < end ? (long long)table[key] * stride_kt : 0) + head_col + 16 * w0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        cp_async16(ring + ring_word(stage, 0, r, w0 + i, STAGES), K + at + 16 * i, bytes);
+        cp_async16(ring + ring_word(stage, 1, r, w0 + i, STAGES), V + at + 16 * i, bytes);
+    }
+}
+
+template <int STAGES>
+__device__ __forceinline__ Tile read_tile(const uint4* ring, int stage, int g, int t) {
+    Tile r;
+    r.ka[0] = ring[ring_word(stage, 0, g, 2 * t, STAGES)];
+    r.ka[1] = ring[ring_word(stage, 0, g, 2 * t + 1, STAGES)];
+    r.kb[0] = ring[ring_word(stage, 0, g + 8, 2 * t, STAGES)];
+    r.kb[1] = ring[ring_word(stage, 0, g + 8, 2 * t + 1, STAGES)];
+    const int rows[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.v[i] = ring[ring_word(stage, 1, rows[i], g, STAGES)];
+    return r;
+}
+
+// the softmax state of one warp: queries 2t and 2t + 1 (the same columns in S's fragment and O's)
+struct State {
+    float m[2], l[2];
+    float acc[8][4];
+};
+
+// one tile of 16 keys from kb0 (keys from `end` on masked out) into the warp's state
+__device__ __forceinline__ void attend_tile(State& st, const Tile& cur, const u32 (&qf)[8][2], int kb0, int end, int g,
+                                            int t) {
+    // S = K Q^T: rows keys kb0 + g and kb0 + g + 8, columns queries 2t, 2t + 1; two sums of four products each,
+    // so that the mma chain is half as long
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (g < G) {
-            const uint2 w = __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh + k_byte<SPREAD>(t, j)));
-            x[0] = bf16_to_f32(w.x & 0xffff) * scale;
-            x[1] = bf16_to_f32(w.x >> 16) * scale;
-            x[2] = bf16_to_f32(w.y & 0xffff) * scale;
-            x[3] = bf16_to_f32(w.y >> 16) * scale;
-        }
-        qf[j][0] = f32x2_to_f16x2(x[0], x[1]);
-        qf[j][1] = f32x2_to_f16x2(x[2], x[3]);
-    }
-    // the softmax state of queries 2t and 2t + 1 (the same columns in S's fragment and O's)
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float acc[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-
-    const int* table = PageTable + row * stride_pt;
-    const long long kcol = kvh * stride_kh + k_byte<SPREAD>(t, 0), vcol = kvh * stride_kh + 16 * g;
-    int kb0 = start + warp * TILE;
-    const int stride = WARPS * TILE;
-    Slots slots_next = tile_slots(table, kb0 + stride, end, g, t);
-    Tile next = load_tile<SPREAD>(K, V, tile_slots(table, kb0, end, g, t), stride_kt, kcol, vcol);
-    for (; kb0 < end; kb0 += stride) {
-        const Tile cur = next;
-        if (kb0 + stride < end) {  // the same for the whole warp
-            next = load_tile<SPREAD>(K, V, slots_next, stride_kt, kcol, vcol);
-            slots_next = tile_slots(table, kb0 + 2 * stride, end, g, t);
-        }
-        // S = K Q^T: rows keys kb0 + g and kb0 + g + 8, columns queries 2t, 2t + 1
-        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const u32 wa = word(cur.ka, j), wb = word(cur.kb, j);  // bytes 4j .. 4j + 3 of each row's slice
-            mma16816(sc, e4m3x2_to_f16x2(wa), e4m3x2_to_f16x2(wb), e4m3x2_to_f16x2(wa >> 16),
-                     e4m3x2_to_f16x2(wb >> 16), qf[j][0], qf[j][1]);
-        }
-        if (kb0 + g >= end) sc[0] = sc[1] = -INFINITY;
-        if (kb0 + g + 8 >= end) sc[2] = sc[3] = -INFINITY;
-        // online softmax per column: the tile's max over the 16 keys (8 lanes of the same t, two rows each)
-        float mx[2] = {fmaxf(sc[0], sc[2]), fmaxf(sc[1], sc[3])};
-#pragma unroll
-        for (int o = 4; o < 32; o *= 2) {
-            mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
-            mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
-        }
-        float alpha[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const float mn = fmaxf(m[c], mx[c]);
-            const float ref = mn == -INFINITY ? 0.0f : mn;  // no key yet: weights stay 0
-            alpha[c] = exp2f(m[c] - ref);
-            m[c] = mn;
-            sc[c] = exp2f(sc[c] - ref);
-            sc[c + 2] = exp2f(sc[c + 2] - ref);
-            l[c] = l[c] * alpha[c] + sc[c] + sc[c + 2];  // this thread's rows only: summed over lanes at the end
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            acc[i][0] *= alpha[0];
-            acc[i][1] *= alpha[1];
-            acc[i][2] *= alpha[0];
-            acc[i][3] *= alpha[1];
-        }
-        // P^T as the B operand of O^T = V^T P^T: column (query) g, rows (keys) 2t, 2t + 1 and 2t + 8, 2t + 9;
-        // P[q][key r] sits in lane 4r + q / 2 (r < 8: sc[0..1], else sc[2..3]), element q % 2
-        const u32 p01 = f32x2_to_f16x2(sc[0], sc[1]), p23 = f32x2_to_f16x2(sc[2], sc[3]);
-        const int src0 = 8 * t + g / 2, src1 = 8 * t + 4 + g / 2;
-        const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
-        const u32 pb0 = prmt(__shfl_sync(0xffffffffu, p01, src0), __shfl_sync(0xffffffffu, p01, src1), sel);
-        const u32 pb1 = prmt(__shfl_sync(0xffffffffu, p23, src0), __shfl_sync(0xffffffffu, p23, src1), sel);
-        // V^T as the A operand: rows dims (row g of chunk i is dim 16g + 2i, row g + 8 dim 16g + 2i + 1), columns
-        // keys 2t, 2t + 1 (v[0], v[1]) and 2t + 8, 2t + 9 (v[2], v[3])
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int w = i / 2;
-            const u32 selv = (i % 2) ? 0x7362u : 0x5140u;  // bytes 2i, 2i + 1 of two rows, interleaved
-            const u32 x01 = prmt(word1(cur.v[0], w), word1(cur.v[1], w), selv);
-            const u32 x23 = prmt(word1(cur.v[2], w), word1(cur.v[3], w), selv);
-            mma16816(acc[i], e4m3x2_to_f16x2(x01), e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x23),
-                     e4m3x2_to_f16x2(x23 >> 16), pb0, pb1);
-        }
+        const u32 wa = word(cur.ka, j), wb = word(cur.kb, j);  // bytes 4j .. 4j + 3 of each row's slice
+        mma16816(j % 2 ? sd : sc, e4m3x2_to_f16x2(wa), e4m3x2_to_f16x2(wb), e4m3x2_to_f16x2(wa >> 16),
+                 e4m3x2_to_f16x2(wb >> 16), qf[j][0], qf[j][1]);
     }
 #pragma unroll
-    for (int c = 0; c < 2; ++c)
+    for (int e = 0; e < 4; ++e) sc[e] += sd[e];
+    if (kb0 + g >= end) sc[0] = sc[1] = -INFINITY;
+    if (kb0 + g + 8 >= end) sc[2] = sc[3] = -INFINITY;
+    // online softmax per column: the tile's max over the 16 keys (8 lanes of the same t, two rows each)
+    float mx[2] = {fmaxf(sc[0], sc[2]), fmaxf(sc[1], sc[3])};
 #pragma unroll
-        for (int o = 4; o < 32; o *= 2) l[c] += __shfl_xor_sync(0xffffffffu, l[c], o);
-
-    // the warps' states joined: query 2t + c's max and sum, and its output dims
-    __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
-    __shared__ float sm_acc[WARPS][8][D];
-    if (g == 0) {
+    for (int o = 4; o < 32; o *= 2) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+    }
+    float alpha[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            sm_m[warp][2 * t + c] = m[c];
-            sm_l[warp][2 * t + c] = l[c];
-        }
+    for (int c = 0; c < 2; ++c) {
+        const float mn = fmaxf(st.m[c], mx[c]);
+        const float ref = mn == -INFINITY ? 0.0f : mn;  // no key yet: weights stay 0
+        alpha[c] = exp2f(st.m[c] - ref);
+        st.m[c] = mn;
+        sc[c] = exp2f(sc[c] - ref);
+        sc[c + 2] = exp2f(sc[c + 2] - ref);
+        st.l[c] = st.l[c] * alpha[c] + sc[c] + sc[c + 2];  // this thread's rows only: summed over lanes at the end
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        sm_acc[warp][2 * t][16 * g + 2 * i] = acc[i][0];
-        sm_acc[warp][2 * t + 1][16 * g + 2 * i] = acc[i][1];
-        sm_acc[warp][2 * t][16 * g + 2 * i + 1] = acc[i][2];
-        sm_acc[warp][2 * t + 1][16 * g + 2 * i + 1] = acc[i][3];
+        st.acc[i][0] *= alpha[0];
+        st.acc[i][1] *= alpha[1];
+        st.acc[i][2] *= alpha[0];
+        st.acc[i][3] *= alpha[1];
+    }
+    // P^T as the B operand of O^T = V^T P^T: column (query) g, rows (keys) 2t, 2t + 1 and 2t + 8, 2t + 9;
+    // P[q][key r] sits in lane 4r + q / 2 (r < 8: sc[0..1], else sc[2..3]), element q % 2
+    const u32 p01 = f32x2_to_f16x2(sc[0], sc[1]), p23 = f32x2_to_f16x2(sc[2], sc[3]);
+    const int src0 = 8 * t + g / 2, src1 = 8 * t + 4 + g / 2;
+    const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
+    const u32 pb0 = prmt(__shfl_sync(0xffffffffu, p01, src0), __shfl_sync(0xffffffffu, p01, src1), sel);
+    const u32 pb1 = prmt(__shfl_sync(0xffffffffu, p23, src0), __shfl_sync(0xffffffffu, p23, src1), sel);
+    // V^T as the A operand: rows dims (row g of chunk i is dim 16g + 2i, row g + 8 dim 16g + 2i + 1), columns
+    // keys 2t, 2t + 1 (v[0], v[1]) and 2t + 8, 2t + 9 (v[2], v[3])
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int w = i / 2;
+        const u32 selv = (i % 2) ? 0x7362u : 0x5140u;  // bytes 2i, 2i + 1 of two rows, interleaved
+        const u32 x01 = prmt(word1(cur.v[0], w), word1(cur.v[1], w), selv);
+        const u32 x23 = prmt(word1(cur.v[2], w), word1(cur.v[3], w), selv);
+        mma16816(st.acc[i], e4m3x2_to_f16x2(x01), e4m3x2_to_f16x2(x01 >> 16), e4m3x2_to_f16x2(x23),
+                 e4m3x2_to_f16x2(x23 >> 16), pb0, pb1);
+    }
+}
+
+// the joined warps' float state in shared memory: [warp][1056] floats, element (query h, dim d) at
+// (d % 16) * 66 + (4 (h % 2) + h / 2) * 8 + d / 16, so that a warp's stores (lanes over t and g) and the reads
+// (threads over d) each fall in 32 distinct banks; then the maxima and sums, [warp][8] each
+constexpr int JOIN_WARP = 1056;
+
+__device__ __forceinline__ int join_at(int h, int d) { return (d % 16) * 66 + (4 * (h % 2) + h / 2) * 8 + d / 16; }
+
+// the 4 warps' states joined (through `smem`, 4 * (JOIN_WARP + 16) floats, free for it) and written: the output
+// row with one split, else the split's float32 output and base-2 log-sum-exp
+template <int G>
+__device__ __forceinline__ void join_and_write(State& st, float* smem, bf16_t* Out, float* MidO, float* MidLse, int b,
+                                               int kvh, int s, long long stride_ot, long long stride_oh,
+                                               int num_qo_heads, int num_splits, float vscale, int g, int t) {
+    constexpr int D = 128, WARPS = 4;
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int o = 4; o < 32; o *= 2) st.l[c] += __shfl_xor_sync(0xffffffffu, st.l[c], o);
+    float* sm_acc = smem;
+    float* sm_m = smem + WARPS * JOIN_WARP;
+    float* sm_l = sm_m + WARPS * 8;
+    if (g == 0) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            sm_m[warp * 8 + 2 * t + c] = st.m[c];
+            sm_l[warp * 8 + 2 * t + c] = st.l[c];
+        }
+    }
+    float* mine = sm_acc + warp * JOIN_WARP;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        mine[join_at(2 * t, 16 * g + 2 * i)] = st.acc[i][0];
+        mine[join_at(2 * t + 1, 16 * g + 2 * i)] = st.acc[i][1];
+        mine[join_at(2 * t, 16 * g + 2 * i + 1)] = st.acc[i][2];
+        mine[join_at(2 * t + 1, 16 * g + 2 * i + 1)] = st.acc[i][3];
     }
     __syncthreads();
     const int d = threadIdx.x;  // 128 threads: one output dim each
@@ -248,14 +263,14 @@ __device__ __forceinline__ void decode_tc_body(
     for (int h = 0; h < G; ++h) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w][h]);
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w * 8 + h]);
         const float ref = mx == -INFINITY ? 0.0f : mx;
         float sum = 0.0f, o = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            const float wt = exp2f(sm_m[w][h] - ref);
-            sum += sm_l[w][h] * wt;
-            o += sm_acc[w][h][d] * wt;
+            const float wt = exp2f(sm_m[w * 8 + h] - ref);
+            sum += sm_l[w * 8 + h] * wt;
+            o += sm_acc[w * JOIN_WARP + join_at(h, d)] * wt;
         }
         const int head = kvh * G + h;
         const float out = (sum > 0.0f ? o / sum : 0.0f) * vscale;
@@ -269,16 +284,110 @@ __device__ __forceinline__ void decode_tc_body(
     }
 }
 
-// minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, SPREAD (load_tile), and MIN_BLOCKS
-// programs an SM that ptxas must fit in the registers (1: as many registers as it likes)
-#define DECODE_TC_KERNEL(NAME, G, SPREAD, MIN_BLOCKS)                                                          \
+// the shared memory a program takes: the ring, or the join's floats if larger
+__host__ __device__ constexpr int shared_bytes(int stages) {
+    return stages * 4 * 4096 > 4 * (JOIN_WARP + 16) * 4 ? stages * 4 * 4096 : 4 * (JOIN_WARP + 16) * 4;
+}
+
+template <int G, int STAGES>
+__device__ __forceinline__ void decode_tc_body(
+    const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
+    float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
+    const int* __restrict__ Rows, const int* __restrict__ SeqLens, const int* __restrict__ Order,
+    const float* __restrict__ KScale, const float* __restrict__ VScale, long long stride_qt, long long stride_qh,
+    long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,
+    int num_qo_heads, int num_splits, float qk_scale) {
+    constexpr int WARPS = 4, TILE = 16;
+    extern __shared__ uint4 smem[];
+    const int kvh = blockIdx.x;
+    const int b = Order != nullptr ? Order[blockIdx.y] : blockIdx.y;
+    const int s = blockIdx.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const long long row = Rows[b];
+    const int seq_len = SeqLens[b];
+    const int chunk = ((seq_len + num_splits - 1) / num_splits + WARPS * TILE - 1) / (WARPS * TILE) * (WARPS * TILE);
+    const int start = s * chunk;
+    const int end = min(start + chunk, seq_len);
+    const float vscale = VScale[0];
+    const float scale = qk_scale * KScale[0];
+
+    // Q as the B operand of S = K Q^T: query g's dims 32t + 4j .. 32t + 4j + 3 for chunk j (zero for g >= G)
+    u32 qf[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (g < G) {
+            const uint2 w = __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh + 32 * t + 4 * j));
+            x[0] = bf16_to_f32(w.x & 0xffff) * scale;
+            x[1] = bf16_to_f32(w.x >> 16) * scale;
+            x[2] = bf16_to_f32(w.y & 0xffff) * scale;
+            x[3] = bf16_to_f32(w.y >> 16) * scale;
+        }
+        qf[j][0] = f32x2_to_f16x2(x[0], x[1]);
+        qf[j][1] = f32x2_to_f16x2(x[2], x[3]);
+    }
+    State st;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        st.m[c] = -INFINITY;
+        st.l[c] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.acc[i][e] = 0.0f;
+
+    const int* table = PageTable + row * stride_pt;
+    const int stride = WARPS * TILE;
+    const int first = start + warp * TILE;
+    if constexpr (STAGES == 0) {
+        const long long kcol = kvh * stride_kh + 32 * t, vcol = kvh * stride_kh + 16 * g;
+        Slots slots_next = tile_slots(table, first + stride, end, g, t);
+        Tile next = load_tile(K, V, tile_slots(table, first, end, g, t), stride_kt, kcol, vcol);
+        for (int kb0 = first; kb0 < end; kb0 += stride) {
+            const Tile cur = next;
+            if (kb0 + stride < end) {  // the same for the whole warp
+                next = load_tile(K, V, slots_next, stride_kt, kcol, vcol);
+                slots_next = tile_slots(table, kb0 + 2 * stride, end, g, t);
+            }
+            attend_tile(st, cur, qf, kb0, end, g, t);
+        }
+    } else {
+        const long long head_col = kvh * stride_kh;
+        const int tiles = end > first ? (end - first + stride - 1) / stride : 0;
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < tiles) copy_tile<STAGES>(smem, K, V, table, first + i * stride, end, stride_kt, head_col, i);
+            cp_async_commit();
+        }
+        for (int i = 0; i < tiles; ++i) {
+            cp_async_wait<STAGES - 2>();  // this lane's copies of tile i are in; the warp's after the barrier
+            __syncwarp();                 // also: every lane is done reading the stage the copy below refills
+            const Tile cur = read_tile<STAGES>(smem, i % STAGES, g, t);
+            const int ahead = i + STAGES - 1;
+            if (ahead < tiles)
+                copy_tile<STAGES>(smem, K, V, table, first + ahead * stride, end, stride_kt, head_col, ahead % STAGES);
+            cp_async_commit();
+            attend_tile(st, cur, qf, first + i * stride, end, g, t);
+        }
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // the ring is free: the join reuses it
+    join_and_write<G>(st, reinterpret_cast<float*>(smem), Out, MidO, MidLse, b, kvh, s, stride_ot, stride_oh,
+                      num_qo_heads, num_splits, vscale, g, t);
+}
+
+// minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, STAGES (above), and MIN_BLOCKS
+// programs an SM that ptxas must fit in the registers (1: as many registers as it likes). A program takes
+// shared_bytes(STAGES) bytes of dynamic shared memory.
+#define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(                                        \
         const bf16_t* Q, const char* K, const char* V, bf16_t* Out, float* MidO, float* MidLse,                \
         const int* PageTable, const int* Rows, const int* SeqLens, const int* Order, const float* KScale,      \
         const float* VScale, long long stride_qt, long long stride_qh, long long stride_kt, long long stride_kh, \
         long long stride_pt, long long stride_ot, long long stride_oh, int num_qo_heads, int num_splits,       \
         float qk_scale) {                                                                                      \
-        decode_tc_body<G, SPREAD>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,  \
+        decode_tc_body<G, STAGES>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,  \
                                   stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh,  \
                                   num_qo_heads, num_splits, qk_scale);                                         \
     }
