@@ -128,10 +128,10 @@ class _Env:
         )
         self.DECODE_TENSOR_CORES = EnvVar(
             "MINISGL_DECODE_TENSOR_CORES",
-            False,
-            "with MINISGL_DECODE_CUDA over an FP8 pool, decode attention by the tensor-core kernel "
-            "(minisgl/kernel/cuda/decode_tc.cu: 1, 2, 4 or 8 query heads a KV head); 0: decode.cu's CUDA-core "
-            "kernel",
+            True,
+            "with MINISGL_DECODE_CUDA over an FP8 pool and 4 or 8 query heads a KV head, decode attention by "
+            "the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 22-40% faster than Triton's on an "
+            "H200; docs/benchmarks.md); 0: Triton's kernel for those",
         )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",

@@ -18,12 +18,14 @@ from tiny import random_prompts
 from minisgl.env import ENV
 from minisgl.kernel import cuda as cuda_kernels
 from minisgl.kernel.cuda.decode import (
+    TC_GROUPS,
     TC_VARIANTS,
     CudaDecode,
     TensorCoreDecode,
     kernel_name,
     program,
     tc_kernel_name,
+    tc_program,
 )
 
 # what decode.cu takes: the engine's variants and groups (minisgl/kernel/cuda/decode.py) and those
@@ -97,10 +99,8 @@ def test_the_tensor_core_kernels_fragment_layouts_give_attention(
 
 @needs_nvrtc
 def test_the_tensor_core_kernels_compile_for_hopper_without_spills() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
-    from decode_tc import tc_program
-
-    _, log = cuda_kernels.compile_cubin(tc_program(), "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
+    src = tc_program(TC_VARIANTS)
+    _, log = cuda_kernels.compile_cubin(src, "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
     got = {block.split("'")[0]: block for block in log.split("Compiling entry function '")[1:]}
     assert set(got) == {tc_kernel_name(g, v) for g in TensorCoreDecode.GROUPS for v in TC_VARIANTS}
     assert all("0 bytes spill stores, 0 bytes spill loads" in block for block in got.values())
@@ -124,17 +124,49 @@ def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.M
     assert triton_backend._cuda_decode(pool, torch.device("cpu")) is None  # type: ignore[arg-type]
     small = SimpleNamespace(head_dim=64, dtype=torch.bfloat16)
     assert triton_backend._cuda_decode(small, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
-    # an FP8 pool takes the tensor-core kernel where MINISGL_DECODE_TENSOR_CORES asks for it
-    monkeypatch.setattr(triton_backend, "TensorCoreDecode", lambda *a, **k: "tensor cores")
-    fp8_pool = SimpleNamespace(head_dim=128, dtype=torch.float8_e4m3fn)
-    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", True)
-    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) == "tensor cores"  # type: ignore[arg-type]
-    assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) == "kernel"  # type: ignore[arg-type]
-    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", False)
-    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) == "kernel"  # type: ignore[arg-type]
     monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
     assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
-    assert triton_backend._cuda_decode(fp8_pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
+
+
+def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from minisgl.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "TensorCoreDecode", lambda *a, **k: "tensor cores")
+    fp8 = SimpleNamespace(head_dim=128, dtype=torch.float8_e4m3fn)
+    bf16 = SimpleNamespace(head_dim=128, dtype=torch.bfloat16)
+    gpu = torch.device("cuda", 0)
+    assert triton_backend._tensor_core_decode(fp8, gpu) == "tensor cores"  # type: ignore[arg-type]
+    assert triton_backend._tensor_core_decode(bf16, gpu) is None  # type: ignore[arg-type]
+    assert triton_backend._tensor_core_decode(fp8, torch.device("cpu")) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", False)
+    assert triton_backend._tensor_core_decode(fp8, gpu) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", True)
+    monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
+    assert triton_backend._tensor_core_decode(fp8, gpu) is None  # type: ignore[arg-type]
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        raise cuda_kernels.CudaUnavailable("libnvrtc was not found")
+
+    monkeypatch.setattr(ENV.DECODE_CUDA, "value", True)
+    monkeypatch.setattr(triton_backend, "TensorCoreDecode", missing)
+    assert triton_backend._tensor_core_decode(fp8, gpu) is None  # type: ignore[arg-type]
+
+
+def test_the_engine_takes_the_tensor_core_kernel_for_four_or_more_query_heads_a_kv_head() -> None:
+    from types import SimpleNamespace
+
+    tc = SimpleNamespace(groups=TC_GROUPS, fp8=True)
+    f8 = torch.float8_e4m3fn
+    k = torch.zeros(8, 2, 128, dtype=f8)
+    for group in (1, 2, 4, 8):
+        q = torch.zeros(3, 2 * group, 128, dtype=torch.bfloat16)
+        assert TensorCoreDecode.applies(tc, q, k) == (group >= 4)  # type: ignore[arg-type]
+        assert not TensorCoreDecode.applies(tc, q, k.bfloat16())  # type: ignore[arg-type]
+    small, large = TensorCoreDecode.variant, SimpleNamespace(variants=TC_VARIANTS)
+    assert small(large, 64) == TC_VARIANTS[0] and small(large, 65) == TC_VARIANTS[-1]  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -235,7 +267,7 @@ def test_the_tensor_core_kernel_attends_as_a_float64_reference(
 
 @functools.cache
 def _tensor_cores() -> TensorCoreDecode:
-    return TensorCoreDecode(variants=TC_VARIANTS)
+    return TensorCoreDecode(variants=TC_VARIANTS, groups=TensorCoreDecode.GROUPS)
 
 
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
@@ -257,7 +289,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ("qwen3-head-dim-128", "auto", False),
         ("llama-head-dim-128-mha", "auto", False),
         ("qwen3-head-dim-128", "fp8_e4m3", False),
-        ("qwen3-head-dim-128", "fp8_e4m3", True),
+        ("llama-head-dim-128-gqa4", "fp8_e4m3", True),
     ],
 )
 @pytest.mark.gpu
@@ -283,7 +315,7 @@ def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kerne
     call = CudaDecode.__call__
 
     def counted(self: CudaDecode, *args: Any, **kwargs: Any) -> torch.Tensor:
-        assert isinstance(self, TensorCoreDecode) == tensor_cores
+        assert isinstance(self, TensorCoreDecode) == tensor_cores  # the kernel meant for this pool and group
         calls.append(args[0].shape[0])
         return call(self, *args, **kwargs)
 

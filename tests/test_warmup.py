@@ -69,6 +69,7 @@ def fake_engine(
     kernel = SimpleNamespace(variants=VARIANTS)
     kernel.variant = lambda bs: CudaDecode.variant(kernel, bs)  # type: ignore[arg-type]
     backend.cuda_decode = kernel if cuda else None
+    backend.tc_decode = None
     backend.ordered = lambda bs: ordered_from(bs, 32)
     backend.decode_variant = lambda bs: TritonAttnBackend.decode_variant(backend, bs)  # type: ignore[arg-type]
     return SimpleNamespace(

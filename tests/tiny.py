@@ -58,9 +58,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", dict(head_dim=16)),  # RMSNorm over each q/k head
     "qwen3-mqa-head-dim": ("qwen3", dict(head_dim=24, num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral": ("mistral", dict(head_dim=8)),
-    # head dim 128, the CUDA decode kernel's (minisgl/kernel/cuda/decode.py): 2 and 1 query heads a KV head
+    # head dim 128, the CUDA decode kernels' (minisgl/kernel/cuda/decode.py): 2, 1 and 4 query heads a KV head
     "qwen3-head-dim-128": ("qwen3", dict(head_dim=128)),
     "llama-head-dim-128-mha": ("llama", dict(head_dim=128, num_key_value_heads=4)),
+    "llama-head-dim-128-gqa4": ("llama", dict(head_dim=128, num_key_value_heads=1)),
     "qwen3-moe": ("qwen3_moe", dict(_MOE, norm_topk_prob=True)),  # top-2 weights rescaled to sum to one
     "qwen3-moe-unnormalised": ("qwen3_moe", dict(_MOE, norm_topk_prob=False)),
     # layers 0 and 2 dense by decoder_sparse_step, layer 3 dense by mlp_only_layers: only layer 1 has experts

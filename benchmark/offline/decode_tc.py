@@ -145,7 +145,7 @@ def tensor_core_kernels() -> Any:
     """The engine's launcher of decode_tc.cu (the same arguments, grid and merge as decode.cu's)."""
     from minisgl.kernel.cuda.decode import TC_VARIANTS, TensorCoreDecode
 
-    return TensorCoreDecode(variants=TC_VARIANTS)
+    return TensorCoreDecode(variants=TC_VARIANTS, groups=TensorCoreDecode.GROUPS)
 
 
 def check_reference(tc: Any) -> float:

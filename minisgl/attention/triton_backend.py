@@ -48,19 +48,38 @@ class TritonAttnMetadata:
     order: torch.Tensor | None = None  # [B] decode, MINISGL_DECODE_LONGEST_FIRST: the programs' order
 
 
+def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and bool(ENV.DECODE_CUDA.value)
+        and kv_cache.head_dim == HEAD_DIM
+        and kv_cache.dtype in (torch.bfloat16, FP8_DTYPE)
+    )
+
+
 def _cuda_decode(kv_cache: MHAKVCache, device: torch.device) -> CudaDecode | None:
     """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it."""
-    if device.type != "cuda" or not ENV.DECODE_CUDA.value or kv_cache.head_dim != HEAD_DIM:
-        return None
-    if kv_cache.dtype not in (torch.bfloat16, FP8_DTYPE):
+    if not _cuda_decode_wanted(kv_cache, device):
         return None
     try:
-        if kv_cache.dtype == FP8_DTYPE and ENV.DECODE_TENSOR_CORES.value:
-            return TensorCoreDecode(device.index or 0)
         return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention by the Triton kernel only: {e}")
         return None
+
+
+def _tensor_core_decode(kv_cache: MHAKVCache, device: torch.device) -> TensorCoreDecode | None:
+    """The tensor-core decode kernel for an FP8 pool (the query groups of TC_GROUPS), where it is asked for."""
+    if (
+        _cuda_decode_wanted(kv_cache, device)
+        and kv_cache.dtype == FP8_DTYPE
+        and ENV.DECODE_TENSOR_CORES.value
+    ):
+        try:
+            return TensorCoreDecode(device.index or 0)
+        except CudaUnavailable as e:
+            logger.info_rank0(f"FP8 decode attention without the tensor-core kernel: {e}")
+    return None
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -81,6 +100,7 @@ class TritonAttnBackend(BaseAttnBackend):
         self.order_from = int(ENV.DECODE_LONGEST_FIRST.value)
         self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
         self.cuda_decode = _cuda_decode(kv_cache, device)
+        self.tc_decode = _tensor_core_decode(kv_cache, device)
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -135,6 +155,7 @@ class TritonAttnBackend(BaseAttnBackend):
             self.ordered(batch_size),
             batch_size <= ENV.FUSED_DECODE_ROPE.value,
             self.cuda_decode is not None and self.cuda_decode.variant(batch_size),
+            self.tc_decode is not None and self.tc_decode.variant(batch_size),
         )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
@@ -157,9 +178,10 @@ class TritonAttnBackend(BaseAttnBackend):
         k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
         # the arguments both kernels take, in their order
         args = (q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale)
-        cuda = self.cuda_decode
-        if rope is None and cuda is not None and cuda.applies(q, k_cache):
-            return cuda(*args, k_scale, v_scale, order=meta.order)
+        if rope is None:
+            for kernel in (self.tc_decode, self.cuda_decode):  # the tensor cores first where they apply
+                if kernel is not None and kernel.applies(q, k_cache):
+                    return kernel(*args, k_scale, v_scale, order=meta.order)
         return decode_attention(*args, k_scale, v_scale, rope, meta.order)
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:

@@ -150,9 +150,13 @@ class CudaDecode:
         return out
 
 
-# decode_tc.cu's variants: (STAGES, MIN_BLOCKS), see the kernel; 0 stages: registers one tile ahead
-TC_VARIANTS = ((0, 1), (2, 4), (3, 4), (4, 3))
-TC_VARIANT = (3, 4)
+# decode_tc.cu's variants: (STAGES, MIN_BLOCKS), see the kernel; the engine takes the first up to TC_SMALL_BATCH
+# rows, the second above (measured on an H200: docs/benchmarks.md, "Decode attention on the tensor cores")
+TC_VARIANTS = ((4, 3), (2, 4))
+TC_SMALL_BATCH = 64
+# query heads a KV head that the engine takes decode_tc.cu for (faster than Triton's kernel there); 1 and 2 take
+# decode.cu's, level with or faster than decode_tc.cu's
+TC_GROUPS = (4, 8)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
@@ -164,7 +168,9 @@ def tc_kernel_name(group: int, variant: tuple[int, int]) -> str:
 def tc_program(variants: tuple[tuple[int, int], ...]) -> str:
     """decode_tc.cu with a kernel for every query group and variant asked for."""
     lines = [source("decode_tc.cu")]
-    for g in TensorCoreDecode.GROUPS:
+    for (
+        g
+    ) in TensorCoreDecode.GROUPS:  # every group: the programs of the engine and of the tests are one cubin
         for stages, min_blocks in variants:
             lines.append(
                 f"DECODE_TC_KERNEL({tc_kernel_name(g, (stages, min_blocks))}, {g}, {stages}, {min_blocks})"
@@ -178,12 +184,17 @@ class TensorCoreDecode(CudaDecode):
 
     GROUPS = (1, 2, 4, 8)
 
-    def __init__(self, device_index: int = 0, variants: tuple[tuple[int, int], ...] = (TC_VARIANT,)) -> None:
+    def __init__(
+        self,
+        device_index: int = 0,
+        variants: tuple[tuple[int, int], ...] = TC_VARIANTS,
+        groups: tuple[int, ...] = TC_GROUPS,
+    ) -> None:
         self.fp8 = True
         self.variants = variants
-        self.groups = self.GROUPS
+        self.groups = groups
         self.module = load_module(tc_program(variants), "decode_tc.cu", device_index)
-        for g in self.groups:
+        for g in TensorCoreDecode.GROUPS:
             for v in variants:
                 self.module.allow_shared(tc_kernel_name(g, v), self.shared_bytes(v))
 
@@ -194,4 +205,5 @@ class TensorCoreDecode(CudaDecode):
         return max(variant[0] * 4 * 4096, _JOIN_BYTES)
 
     def variant(self, batch_size: int) -> tuple[int, int]:
-        return self.variants[0]
+        """The engine's choice: the first of `variants` up to TC_SMALL_BATCH rows, the last above."""
+        return self.variants[0] if batch_size <= TC_SMALL_BATCH else self.variants[-1]

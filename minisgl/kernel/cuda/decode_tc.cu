@@ -13,10 +13,10 @@
 // e4m3 pairs widen to f16 pairs in one instruction; P goes from the S fragment's layout to the B operand's by
 // four shuffles.
 //
-// How the rows reach the registers (STAGES, the kernel's variant): 0, each thread loads its own words of the
-// next tile into registers while it computes this one (their slots two tiles ahead); >= 2, each warp copies
-// its tiles into a ring of STAGES tiles in shared memory with cp.async, STAGES - 1 tiles ahead, and reads its
-// words from there: more bytes in flight an SM for fewer registers (a tile is 4 KB).
+// How the rows reach the registers: each warp copies its tiles into a ring of STAGES tiles (4 KB each) in shared
+// memory with cp.async, STAGES - 1 tiles ahead, and reads its words from there; a thread's words loaded
+// straight into registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower at
+// 128-256 requests (docs/benchmarks.md, "Decode attention on the tensor cores").
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 #ifndef INFINITY
@@ -58,42 +58,11 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float x) {
     return r;
 }
 
-// one tile's rows for one thread: its 32 bytes of key rows g and g + 8 (for S), its 16 bytes of key rows
+// one tile's words for one thread: its 32 bytes of key rows g and g + 8 (for S), its 16 bytes of key rows
 // 2t, 2t + 1, 2t + 8, 2t + 9 (for O)
 struct Tile {
     uint4 ka[2], kb[2], v[4];
 };
-
-struct Slots {
-    long long ka, kb, v[4];
-};
-
-__device__ __forceinline__ Slots tile_slots(const int* table, int kb0, int end, int g, int t) {
-    Slots s;
-    const int keys[6] = {kb0 + g, kb0 + g + 8, kb0 + 2 * t, kb0 + 2 * t + 1, kb0 + 2 * t + 8, kb0 + 2 * t + 9};
-    long long v[6];
-#pragma unroll
-    for (int i = 0; i < 6; ++i) v[i] = keys[i] < end ? table[keys[i]] : 0;
-    s.ka = v[0];
-    s.kb = v[1];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.v[i] = v[2 + i];
-    return s;
-}
-
-__device__ __forceinline__ Tile load_tile(const char* K, const char* V, const Slots& s, long long stride_kt,
-                                          long long kcol, long long vcol) {
-    Tile r;
-    const uint4* pa = reinterpret_cast<const uint4*>(K + s.ka * stride_kt + kcol);
-    const uint4* pb = reinterpret_cast<const uint4*>(K + s.kb * stride_kt + kcol);
-    r.ka[0] = __ldg(pa);
-    r.ka[1] = __ldg(pa + 1);
-    r.kb[0] = __ldg(pb);
-    r.kb[1] = __ldg(pb + 1);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r.v[i] = __ldg(reinterpret_cast<const uint4*>(V + s.v[i] * stride_kt + vcol));
-    return r;
-}
 
 __device__ __forceinline__ u32 word(const uint4* w, int i) {  // 32-bit word i of two 16-byte words
     const u32* p = reinterpret_cast<const u32*>(w);
@@ -340,44 +309,30 @@ __device__ __forceinline__ void decode_tc_body(
     const int* table = PageTable + row * stride_pt;
     const int stride = WARPS * TILE;
     const int first = start + warp * TILE;
-    if constexpr (STAGES == 0) {
-        const long long kcol = kvh * stride_kh + 32 * t, vcol = kvh * stride_kh + 16 * g;
-        Slots slots_next = tile_slots(table, first + stride, end, g, t);
-        Tile next = load_tile(K, V, tile_slots(table, first, end, g, t), stride_kt, kcol, vcol);
-        for (int kb0 = first; kb0 < end; kb0 += stride) {
-            const Tile cur = next;
-            if (kb0 + stride < end) {  // the same for the whole warp
-                next = load_tile(K, V, slots_next, stride_kt, kcol, vcol);
-                slots_next = tile_slots(table, kb0 + 2 * stride, end, g, t);
-            }
-            attend_tile(st, cur, qf, kb0, end, g, t);
-        }
-    } else {
-        const long long head_col = kvh * stride_kh;
-        const int tiles = end > first ? (end - first + stride - 1) / stride : 0;
+    const long long head_col = kvh * stride_kh;
+    const int tiles = end > first ? (end - first + stride - 1) / stride : 0;
 #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < tiles) copy_tile<STAGES>(smem, K, V, table, first + i * stride, end, stride_kt, head_col, i);
-            cp_async_commit();
-        }
-        for (int i = 0; i < tiles; ++i) {
-            cp_async_wait<STAGES - 2>();  // this lane's copies of tile i are in; the warp's after the barrier
-            __syncwarp();                 // also: every lane is done reading the stage the copy below refills
-            const Tile cur = read_tile<STAGES>(smem, i % STAGES, g, t);
-            const int ahead = i + STAGES - 1;
-            if (ahead < tiles)
-                copy_tile<STAGES>(smem, K, V, table, first + ahead * stride, end, stride_kt, head_col, ahead % STAGES);
-            cp_async_commit();
-            attend_tile(st, cur, qf, first + i * stride, end, g, t);
-        }
-        cp_async_wait<0>();
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < tiles) copy_tile<STAGES>(smem, K, V, table, first + i * stride, end, stride_kt, head_col, i);
+        cp_async_commit();
     }
+    for (int i = 0; i < tiles; ++i) {
+        cp_async_wait<STAGES - 2>();  // this lane's copies of tile i are in; the warp's after the barrier
+        __syncwarp();                 // also: every lane is done reading the stage the copy below refills
+        const Tile cur = read_tile<STAGES>(smem, i % STAGES, g, t);
+        const int ahead = i + STAGES - 1;
+        if (ahead < tiles)
+            copy_tile<STAGES>(smem, K, V, table, first + ahead * stride, end, stride_kt, head_col, ahead % STAGES);
+        cp_async_commit();
+        attend_tile(st, cur, qf, first + i * stride, end, g, t);
+    }
+    cp_async_wait<0>();
     __syncthreads();  // the ring is free: the join reuses it
     join_and_write<G>(st, reinterpret_cast<float*>(smem), Out, MidO, MidLse, b, kvh, s, stride_ot, stride_oh,
                       num_qo_heads, num_splits, vscale, g, t);
 }
 
-// minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, STAGES (above), and MIN_BLOCKS
+// minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, STAGES (>= 2, above), and MIN_BLOCKS
 // programs an SM that ptxas must fit in the registers (1: as many registers as it likes). A program takes
 // shared_bytes(STAGES) bytes of dynamic shared memory.
 #define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS)                                                          \
