@@ -153,6 +153,31 @@ def test_an_integer_wider_than_64_bits_is_a_400_naming_the_field_and_leaves_noth
     _assert_idle(server)
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        # 200 prompts x 100 choices: over the 16,384 completions a call takes
+        ("/v1/completions", {"prompt": [[5]] * 200, "n": 100, "max_tokens": 1}, "n"),
+        (
+            "/generate",
+            {"input_ids": [[5]] * 200, "sampling_params": {"n": 100, "max_new_tokens": 1}},
+            "sampling_params.n",
+        ),
+        # more one-token prompts than a call takes: refused as the body is read
+        ("/v1/completions", {"prompt": [[5]] * 20_000, "max_tokens": 1}, "prompt"),
+        ("/generate", {"text": ["a"] * 20_000}, "text"),
+    ],
+)
+def test_a_call_of_more_completions_than_a_call_takes_is_a_400_and_leaves_nothing(
+    server: Server, path: str, body: Any, param: str
+) -> None:
+    status, answer, _ = _post(server, path, body)
+    assert status == 400, answer
+    _assert_error(answer, param, "too_many_completions")
+    assert "at most 16384" in answer["error"]["message"]
+    _assert_idle(server)
+
+
 def test_the_largest_seed_with_several_choices_wraps_instead_of_failing(server: Server) -> None:
     body = {"prompt": "a", "seed": 2**64 - 1, "n": 3, "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
     status, answer, _ = _post(server, "/v1/completions", body)

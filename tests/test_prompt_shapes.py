@@ -10,10 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from minisgl.server.protocol import (
+    MAX_CALL_COMPLETIONS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    check_call_size,
     parse_body,
 )
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
@@ -115,3 +117,32 @@ def test_the_token_endpoints_read_their_shapes() -> None:
     with pytest.raises(APIError) as e:
         parse_body(TokenizeRequest, _body(prompt=[1, 2]))
     assert e.value.param == "prompt" and "str, list[str]" in e.value.message
+
+
+def test_a_list_of_more_prompts_than_a_call_takes_is_refused_as_it_is_read() -> None:
+    """A 4 MiB body holds a million one-token prompts: refused before they are read one by one."""
+    over = MAX_CALL_COMPLETIONS + 1
+    for model, field, value in [
+        (CompletionRequest, "prompt", [[1]] * over),
+        (CompletionRequest, "prompt", ["a"] * over),
+        (GenerateRequest, "input_ids", [[1]] * over),
+        (GenerateRequest, "text", ["a"] * over),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse_body(model, _body(**{field: value}), CONTEXT)
+        assert e.value.param == field and e.value.code == "too_many_completions", e.value.message
+        assert f"{over} completions" in e.value.message and "several calls" in e.value.message
+    # as many as a call takes are read; one prompt of that many token ids is one prompt
+    assert (
+        len(parse_body(CompletionRequest, _body(prompt=["a"] * MAX_CALL_COMPLETIONS)).prompts())
+        == MAX_CALL_COMPLETIONS
+    )
+    assert parse_body(CompletionRequest, _body(prompt=[1] * over)).prompts() == [[1] * over]
+
+
+def test_prompts_times_n_over_a_calls_completions_names_n() -> None:
+    check_call_size(MAX_CALL_COMPLETIONS // 128, 128, "n")
+    with pytest.raises(APIError) as e:
+        check_call_size(MAX_CALL_COMPLETIONS // 128 + 1, 128, "n")
+    assert e.value.param == "n" and e.value.code == "too_many_completions"
+    assert f"{MAX_CALL_COMPLETIONS // 128 + 1} prompts x n=128" in e.value.message

@@ -36,6 +36,7 @@ from minisgl.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     Prompt,
+    check_call_size,
     choice_params,
     parse_body,
 )
@@ -753,6 +754,7 @@ def create_app(
         req.check_fields()
         model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
+        check_call_size(len(prompts), n, "n")
         within_context(req.max_tokens, "max_tokens")
         params = req.sampling_params()
         if req.echo and req.logprobs is not None:
@@ -779,6 +781,7 @@ def create_app(
     def generate_call(body: bytes) -> Call:
         req = parse_body(GenerateRequest, body, info.max_seq_len)
         prompts, n = req.prompts(), req.num_choices
+        check_call_size(len(prompts), n, "sampling_params.n")
         params = req.to_sampling_params()
         if req.sampling_params is not None:
             within_context(req.sampling_params.max_new_tokens, "sampling_params.max_new_tokens")

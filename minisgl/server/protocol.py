@@ -26,6 +26,9 @@ from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, RequestError, Sam
 from minisgl.scheduler.check import prompt_too_long
 
 MAX_N = 128  # choices per prompt
+# completions a call (prompts x n): each is a request of its own in the queue, its state held until the call
+# ends, so a 4 MiB body of one-token prompts with n=128 would otherwise ask for 10^8 of them
+MAX_CALL_COMPLETIONS = 16384
 # the roles of OpenAI's chat API; the role is written into the prompt as is, so no other is let through
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -122,6 +125,26 @@ def refuse_over_context(value: Any, param: str, info: ValidationInfo, items: str
         e = prompt_too_long(count - 1 if at_least else count, max_seq_len, at_least)
         raise APIError(str(e), param, e.code)
     return value
+
+
+def refuse_too_many_prompts(value: Any, param: str) -> Any:
+    """`value` as it is, unless it is a list of more prompts than a call takes: then an APIError, raised
+    before its elements are read."""
+    if isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list)):
+        check_call_size(len(value), 1, param)
+    return value
+
+
+def check_call_size(num_prompts: int, n: int, param: str) -> None:
+    """Refuse a call of more than MAX_CALL_COMPLETIONS completions, naming `param` (the prompts' field, or n)."""
+    if num_prompts * n > MAX_CALL_COMPLETIONS:
+        asked = f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n={n}"
+        raise APIError(
+            f"this call asks for {num_prompts * n} completions ({asked}); a call takes at most "
+            f"{MAX_CALL_COMPLETIONS}: send the prompts over several calls",
+            param,
+            "too_many_completions",
+        )
 
 
 class StreamOptions(_Strict):
@@ -497,6 +520,11 @@ class CompletionRequest(_OpenAIRequest):
     def _prompt_within_context(cls, value: Any, info: ValidationInfo) -> Any:
         return refuse_over_context(value, "prompt", info)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts_a_call_takes(cls, value: Any) -> Any:
+        return refuse_too_many_prompts(value, "prompt")
+
     @property
     def echo_only(self) -> bool:
         """max_tokens 0 with echo: the answer is the prompt alone (an evaluation harness's log-likelihood)."""
@@ -540,6 +568,11 @@ class GenerateRequest(_Strict):
     @classmethod
     def _ids_within_context(cls, value: Any, info: ValidationInfo) -> Any:
         return refuse_over_context(value, "input_ids", info)
+
+    @field_validator("text", "input_ids", mode="before")
+    @classmethod
+    def _prompts_a_call_takes(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_too_many_prompts(value, info.field_name or "text")
 
     def prompts(self) -> list[Prompt]:
         if (self.text is None) == (self.input_ids is None):
