@@ -56,6 +56,21 @@ def _vector_rows(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(0) % step == 0 and x.stride(1) % step == 0 and x.data_ptr() % 16 == 0
 
 
+def _applies(q: torch.Tensor, k_cache: torch.Tensor, groups: tuple[int, ...], fp8: bool) -> bool:
+    """A kernel for `groups` query heads a KV head and this pool dtype takes q over k_cache."""
+    hq, d = q.shape[1], q.shape[2]
+    hk = k_cache.shape[1]
+    return (
+        q.dtype == torch.bfloat16
+        and d == HEAD_DIM
+        and hq % hk == 0
+        and hq // hk in groups
+        and (k_cache.dtype == torch.float8_e4m3fn) == fp8
+        and _vector_rows(q)
+        and _vector_rows(k_cache)
+    )
+
+
 class CudaDecode:
     """The kernels for one pool dtype, compiled (or read from the cache) and loaded at construction, so that
     nothing is compiled or loaded while a CUDA graph is being captured."""
@@ -78,17 +93,7 @@ class CudaDecode:
                 self.module.function(kernel_name(g, v, fp8))
 
     def applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        hq, d = q.shape[1], q.shape[2]
-        hk = k_cache.shape[1]
-        return (
-            q.dtype == torch.bfloat16
-            and d == HEAD_DIM
-            and hq % hk == 0
-            and hq // hk in self.groups
-            and (k_cache.dtype == torch.float8_e4m3fn) == self.fp8
-            and _vector_rows(q)
-            and _vector_rows(k_cache)
-        )
+        return _applies(q, k_cache, self.groups, self.fp8)
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
         """The entry point for `group` query heads a KV head and `variant` (benchmarks' candidates override it)."""
@@ -154,9 +159,10 @@ class CudaDecode:
 # rows, the second above (measured on an H200: docs/benchmarks.md, "Decode attention on the tensor cores")
 TC_VARIANTS = ((4, 3), (2, 4))
 TC_SMALL_BATCH = 64
-# query heads a KV head that the engine takes decode_tc.cu for (faster than Triton's kernel there); 1 and 2 take
-# decode.cu's, level with or faster than decode_tc.cu's
+# query heads a KV head that the engine takes decode_tc.cu for (faster than Triton's kernel there), and those
+# it takes it for above TC_SMALL_BATCH rows only (3% faster than decode.cu's kernel there, slower below)
 TC_GROUPS = (4, 8)
+TC_LARGE_GROUPS = (2,)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
@@ -189,14 +195,20 @@ class TensorCoreDecode(CudaDecode):
         device_index: int = 0,
         variants: tuple[tuple[int, int], ...] = TC_VARIANTS,
         groups: tuple[int, ...] = TC_GROUPS,
+        large_groups: tuple[int, ...] | None = None,
     ) -> None:
         self.fp8 = True
         self.variants = variants
         self.groups = groups
+        self.large_groups = TC_LARGE_GROUPS if large_groups is None else large_groups
         self.module = load_module(tc_program(variants), "decode_tc.cu", device_index)
         for g in TensorCoreDecode.GROUPS:
             for v in variants:
                 self.module.allow_shared(tc_kernel_name(g, v), self.shared_bytes(v))
+
+    def applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        groups = self.groups + (self.large_groups if q.shape[0] > TC_SMALL_BATCH else ())
+        return _applies(q, k_cache, groups, self.fp8)
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
         return tc_kernel_name(group, variant)
