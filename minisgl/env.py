@@ -129,9 +129,9 @@ class _Env:
         self.DECODE_TENSOR_CORES = EnvVar(
             "MINISGL_DECODE_TENSOR_CORES",
             True,
-            "with MINISGL_DECODE_CUDA over an FP8 pool and 4 or 8 query heads a KV head, decode attention by "
-            "the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 22-40% faster than Triton's on an "
-            "H200; docs/benchmarks.md); 0: Triton's kernel for those",
+            "with MINISGL_DECODE_CUDA over an FP8 pool and 4 or 8 query heads a KV head (2 above 64 rows), "
+            "decode attention by the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 18-26% faster than "
+            "Triton's on an H200, 3% faster than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
