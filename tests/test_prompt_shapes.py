@@ -17,6 +17,7 @@ from minisgl.server.protocol import (
     GenerateRequest,
     check_call_size,
     parse_body,
+    refuse_many_prompt_lists,
 )
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
 
@@ -146,3 +147,17 @@ def test_prompts_times_n_over_a_calls_completions_names_n() -> None:
         check_call_size(MAX_CALL_COMPLETIONS // 128 + 1, 128, "n")
     assert e.value.param == "n" and e.value.code == "too_many_completions"
     assert f"{MAX_CALL_COMPLETIONS // 128 + 1} prompts x n=128" in e.value.message
+
+
+def test_a_body_of_more_lists_than_a_call_takes_is_refused_before_it_is_parsed() -> None:
+    """[[5], [5], ...] at 4 MiB takes a second to parse; its brackets are counted in milliseconds first."""
+    over = MAX_CALL_COMPLETIONS + 65
+    with pytest.raises(APIError) as e:
+        refuse_many_prompt_lists(_body(prompt=[[5]] * over, n=128), "prompt")
+    assert e.value.param == "prompt" and e.value.code == "too_many_completions"
+    assert "several calls" in e.value.message
+    # brackets inside strings, escaped quotes among them, are text: such a body is read as usual
+    refuse_many_prompt_lists(_body(prompt='x = [[1, 2], [3]] "q" \\' * over), "prompt")
+    refuse_many_prompt_lists(_body(prompt=["[", '"[', "\\"] * over), "prompt")
+    # as many one-token prompts as a call takes, with a few other lists beside them, are read as usual
+    refuse_many_prompt_lists(_body(prompt=[[5]] * MAX_CALL_COMPLETIONS, stop=["a"] * 32), "prompt")

@@ -39,6 +39,7 @@ from minisgl.server.protocol import (
     check_call_size,
     choice_params,
     parse_body,
+    refuse_many_prompt_lists,
 )
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
 from minisgl.server.tools import (
@@ -750,6 +751,7 @@ def create_app(
         return await serve(request, *await off_loop(completion_call, await request.body()))
 
     def completion_call(body: bytes) -> Call:
+        refuse_many_prompt_lists(body, "prompt")
         req = parse_body(CompletionRequest, body, info.max_seq_len)
         req.check_fields()
         model = model_of(req.model)
@@ -779,6 +781,7 @@ def create_app(
         return await serve(request, *await off_loop(generate_call, await request.body()))
 
     def generate_call(body: bytes) -> Call:
+        refuse_many_prompt_lists(body, "input_ids")
         req = parse_body(GenerateRequest, body, info.max_seq_len)
         prompts, n = req.prompts(), req.num_choices
         check_call_size(len(prompts), n, "sampling_params.n")

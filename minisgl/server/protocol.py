@@ -7,6 +7,7 @@ SamplingParams.validate's, so the server and the offline LLM refuse the same thi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields, replace
 from typing import Annotated, Any, TypeVar, Union, get_type_hints
 
@@ -133,6 +134,25 @@ def refuse_too_many_prompts(value: Any, param: str) -> Any:
     if isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list)):
         check_call_size(len(value), 1, param)
     return value
+
+
+# a JSON string, its escapes included (the unrolled form: ten times faster than an alternation on long texts)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OTHER_LISTS = 64  # lists a body's other fields may hold besides its prompts (stop, a schema's arrays, ...)
+
+
+def refuse_many_prompt_lists(body: bytes, param: str) -> None:
+    """Refuse, before it is parsed, a body with more lists than a call's prompts may be: a 4 MiB body of
+    one-token prompts ([[5],[5],...]) takes a second to parse under the interpreter lock, where counting its
+    brackets takes milliseconds (and scanning past its strings, only when the raw count is that high, tens)."""
+    limit = MAX_CALL_COMPLETIONS + _OTHER_LISTS
+    if body.count(b"[") > limit and _JSON_STRING.sub(b"", body).count(b"[") > limit:
+        raise APIError(
+            f"this call holds more than {limit} lists; a call takes at most {MAX_CALL_COMPLETIONS} "
+            "completions (prompts x n): send the prompts over several calls",
+            param,
+            "too_many_completions",
+        )
 
 
 def check_call_size(num_prompts: int, n: int, param: str) -> None:
