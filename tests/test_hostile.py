@@ -22,7 +22,7 @@ from test_server import Server, _wait_metrics
 
 from minisgl.core import SamplingParams
 from minisgl.message import BatchBackendMsg, UserMsg
-from minisgl.message.frontend import AbortMsg, TokenizeMsg, UserReply
+from minisgl.message.frontend import AbortMsg, TokenizeMsg, TokensMsg, TokensReply, UserReply
 from minisgl.scheduler.check import RequestLimits
 from minisgl.utils.hf import chat_template_ids, load_tokenizer
 from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, ipc_addr
@@ -176,6 +176,27 @@ def test_a_call_of_more_completions_than_a_call_takes_is_a_400_and_leaves_nothin
     _assert_error(answer, param, "too_many_completions")
     assert "at most 16384" in answer["error"]["message"]
     _assert_idle(server)
+
+
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        ("/tokenize", {"prompt": ["a"] * 20_000}, "prompt", "too_many_prompts"),
+        ("/detokenize", {"tokens": [[5]] * 20_000}, "tokens", "too_many_prompts"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "a"}] * 20_000},
+            "messages",
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_a_tokenize_batch_over_what_a_call_takes_is_a_400(
+    server: Server, path: str, body: Any, param: str, code: str
+) -> None:
+    status, answer, _ = _post(server, path, body)
+    assert status == 400, answer
+    _assert_error(answer, param, code)
 
 
 def test_the_largest_seed_with_several_choices_wraps_instead_of_failing(server: Server) -> None:
@@ -530,6 +551,46 @@ def test_a_call_of_many_prompts_takes_turns_with_a_call_of_one(worker: Any) -> N
     order = [m.uid for m in _received(to_scheduler)]
     assert sorted(order) == [*range(100), 1000]
     assert order.index(1000) <= 1
+
+
+def test_a_tokenize_batch_takes_turns_with_a_prompt_and_answers_as_a_whole_would(
+    worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A /tokenize batch of 2,000 texts is answered a few entries a step: a prompt sent after it reaches
+    the scheduler before the batch's reply is done, and the reply is what one pass over the batch gives."""
+    from minisgl.tokenizer import tokens
+    from minisgl.tokenizer import worker as worker_module
+
+    w, _, to_scheduler, to_api = worker
+    monkeypatch.setattr(worker_module, "_SLICE_S", 0.0)  # one step a slice
+    texts = [f"text number {i} " * 20 for i in range(2000)]
+    batch = TokensMsg(5, texts=texts, with_pieces=True)
+    w._handle_api([[batch], [_msg([SamplingParams(max_tokens=2)], [1000], "the small one")]])
+    w._tokenize_pending()  # the batch's first step
+    w._tokenize_pending()  # the prompt
+    assert [m.uid for m in _received(to_scheduler)] == [1000]
+    assert not to_api.socket.poll(100)  # the batch is not answered yet
+    steps = 2
+    while w.pending:
+        w._tokenize_pending()
+        steps += 1
+    reply = [m for m in _received(to_api) if isinstance(m, TokensReply)]
+    assert len(reply) == 1 and reply[0].uid == 5 and reply[0].error is None
+    assert reply[0] == tokens.answer_tokens(w.tokenize_manager, batch)
+    chars = sum(map(len, texts))
+    assert steps >= chars // tokens.STEP_ITEMS  # a step reads at most STEP_ITEMS characters and one text
+    # a detokenize batch the same way, and an error part-way is the reply at once
+    ids = [w.tokenizer.encode(t) for t in texts[:50]]
+    job = tokens.TokensJob(w.tokenize_manager, TokensMsg(6, token_ids=ids * 40))
+    monkeypatch.setattr(tokens, "STEP_ITEMS", 64)
+    steps, answer = 1, job.step()
+    while answer is None:
+        steps, answer = steps + 1, job.step()
+    assert 1 < steps <= len(ids) * 40  # several steps, at least one list a step
+    assert answer.texts == [w.tokenizer.decode(x) for x in ids] * 40
+    bad = tokens.TokensJob(w.tokenize_manager, TokensMsg(7, token_ids=[[1], [10**9], [2]]))
+    first = bad.step()
+    assert first is not None and first.error_code == "invalid_token_ids"
 
 
 def test_an_aborted_prompt_that_is_still_waiting_is_dropped_unread(worker: Any) -> None:

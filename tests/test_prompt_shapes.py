@@ -161,3 +161,23 @@ def test_a_body_of_more_lists_than_a_call_takes_is_refused_before_it_is_parsed()
     refuse_many_prompt_lists(_body(prompt=["[", '"[', "\\"] * over), "prompt")
     # as many one-token prompts as a call takes, with a few other lists beside them, are read as usual
     refuse_many_prompt_lists(_body(prompt=[[5]] * MAX_CALL_COMPLETIONS, stop=["a"] * 32), "prompt")
+
+
+def test_tokenize_and_detokenize_batches_longer_than_a_call_takes_are_refused_unread() -> None:
+    over = MAX_CALL_COMPLETIONS + 1
+    for model, field, value in [
+        (TokenizeRequest, "prompt", ["a"] * over),
+        (DetokenizeRequest, "tokens", [[1]] * over),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse_body(model, _body(**{field: value}), CONTEXT)
+        assert e.value.param == field and e.value.code == "too_many_prompts", e.value.message
+        assert f"a batch of {over}" in e.value.message
+    assert (
+        len(parse_body(TokenizeRequest, _body(prompt=["a"] * MAX_CALL_COMPLETIONS)).prompt)
+        == MAX_CALL_COMPLETIONS
+    )  # type: ignore[arg-type]
+    # a chat of more messages than the context has tokens: the worker would refuse it after rendering them all
+    with pytest.raises(APIError) as e:
+        parse_body(TokenizeRequest, _body(messages=[{"role": "user", "content": "a"}] * CONTEXT), CONTEXT)
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"

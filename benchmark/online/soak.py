@@ -14,7 +14,8 @@ back does not count).
 
 After the rounds, each maximal request (a body at the size limit, of every shape that costs the
 server work: a long text with 128 choices, a long chat message, many messages, many token ids, many
-prompts, a highly compressible text, more one-token prompts x 128 choices than a call takes) is sent while small requests run beside it; the table gives
+prompts, a highly compressible text, more one-token prompts x 128 choices than a call takes, a /tokenize
+batch of more texts than a call takes) is sent while small requests run beside it; the table gives
 how long the maximal one took to be refused and the small ones' worst latency.
 
     python benchmark/online/soak.py --rounds 30 --minisgl-args "--dtype float32 --num-pages 16384"
@@ -231,6 +232,7 @@ MAXIMAL: dict[str, tuple[str, Callable[[int], dict[str, Any]], int]] = {
     "token ids, n=128": ("/v1/completions", lambda k: {"prompt": [100] * k, "n": 128}, 10**6),
     "many prompts": ("/v1/completions", lambda k: {"prompt": ["hello world! " * 4000] * k}, 10**4),
     "one-token prompts, n=128": ("/v1/completions", lambda k: {"prompt": [[5]] * k, "n": 128}, 10**6),
+    "tokenize, many texts": ("/tokenize", lambda k: {"prompt": ["hello world"] * k}, 10**6),
     "spaces": ("/generate", lambda k: {"text": " " * k}, 5 * 10**6),
 }
 

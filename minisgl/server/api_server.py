@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -700,18 +700,20 @@ def create_app(
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(TokenizeRequest, await request.body())
+    async def tokenize(request: Request) -> Response:
+        body = await request.body()
+        req = await off_loop(lambda b: parse_body(TokenizeRequest, b, info.max_seq_len), body)
         model_of(req.model)
         reply = await tokens(request, req.to_msg(), "prompt" if req.prompt is not None else "messages")
-        return req.response(reply, info.max_seq_len)
+        # a JSONResponse as it is: FastAPI's encoder walks a batch's ids in Python, on the event loop
+        return JSONResponse(req.response(reply, info.max_seq_len))
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(DetokenizeRequest, await request.body())
+    async def detokenize(request: Request) -> Response:
+        req = await off_loop(lambda b: parse_body(DetokenizeRequest, b), await request.body())
         model_of(req.model)
-        return req.response(await tokens(request, req.to_msg(), "tokens"))
+        return JSONResponse(req.response(await tokens(request, req.to_msg(), "tokens")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -799,6 +801,7 @@ def create_app(
 
 # a call checked and ready to submit: its messages, its answer's shape, whether it streams
 Call = tuple[list[TokenizeMsg], _Format, bool]
+R = TypeVar("R")
 
 # Reading a request can hold the event loop, and every stream it writes, for a while: a large body is
 # parsed and checked (tens of ms for a few MB; protocol.py keeps it so), and a grammar is compiled once
@@ -817,7 +820,7 @@ _GRAMMAR_KEYS = (
 )
 
 
-async def off_loop(read: Callable[[bytes], Call], body: bytes) -> Call:
+async def off_loop(read: Callable[[bytes], R], body: bytes) -> R:
     """read(body), on a worker thread when the body is large or may carry a grammar."""
     if len(body) > _OFF_LOOP_BYTES or any(key in body for key in _GRAMMAR_KEYS):
         return await asyncio.to_thread(read, body)

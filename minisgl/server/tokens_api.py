@@ -15,15 +15,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from minisgl.message.frontend import TokensMsg, TokensReply
 from minisgl.params import INT64_MAX, INT64_MIN
-from minisgl.server.protocol import IDS, TEXTS, APIError, ChatCompletionRequest, ChatMessage
+from minisgl.server.protocol import (
+    IDS,
+    MAX_CALL_COMPLETIONS,
+    TEXTS,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    refuse_over_context,
+)
 
 
 class _Exact(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _refuse_long_batch(value: Any, param: str) -> Any:
+    """`value` as it is, unless it is a batch of more entries than a completion call takes prompts: then an
+    APIError, before its entries are read (the worker answers a batch a few entries a step, but its reply is
+    built and sent whole)."""
+    if isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list)):
+        raise APIError(
+            f"'{param}' is a batch of {len(value)}; a call takes at most {MAX_CALL_COMPLETIONS}: send the "
+            "batch over several calls",
+            param,
+            "too_many_prompts",
+        )
+    return value
 
 
 class TokenizeRequest(_Exact):
@@ -33,6 +55,17 @@ class TokenizeRequest(_Exact):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _batch_a_call_takes(cls, value: Any) -> Any:
+        return _refuse_long_batch(value, "prompt")
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_context(cls, value: Any, info: ValidationInfo) -> Any:
+        # a chat is answered only if it fits the context (as a prompt), so a longer one is refused unread
+        return refuse_over_context(value, "messages", info, "messages")
 
     def to_msg(self) -> TokensMsg:
         if (self.prompt is None) == (self.messages is None):
@@ -77,6 +110,11 @@ class DetokenizeRequest(_Exact):
     model: str | None = None
     tokens: IDS
     skip_special_tokens: bool | None = None
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _batch_a_call_takes(cls, value: Any) -> Any:
+        return _refuse_long_batch(value, "tokens")
 
     def to_msg(self) -> TokensMsg:
         batch = bool(self.tokens) and isinstance(self.tokens[0], list)

@@ -7,15 +7,60 @@ They run in the worker, not in the API server, so the server's event loop never 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from minisgl.core import RequestError
 from minisgl.message.frontend import TokensMsg, TokensReply
 from minisgl.tokenizer.tokenize import TokenizeManager
+
+# what one step of a batch reads at most (at least one entry): characters of texts, or token ids; a step is
+# a few milliseconds, so a batch of thousands takes turns with the other calls' prompts
+STEP_ITEMS = 32 << 10
+
+
+@dataclass
+class TokensJob:
+    """A TokensMsg answered a few entries a step (TokenizerWorker gives each call a step in turn): a batch of
+    thousands of texts would otherwise hold the worker, and every other call's prompt, for seconds."""
+
+    manager: TokenizeManager
+    msg: TokensMsg
+    done: int = 0  # entries answered so far
+    lists: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def step(self) -> TokensReply | None:
+        """One step; the reply once the last entry is answered (or at the first error), else None."""
+        msg = self.msg
+        if msg.messages is not None:
+            return answer_tokens(self.manager, msg)  # one chat: bounded by the context length
+        entries: list[str] | list[list[int]] = (
+            msg.token_ids if msg.token_ids is not None else (msg.texts or [])
+        )
+        budget = STEP_ITEMS
+        try:
+            while self.done < len(entries):
+                entry = entries[self.done]
+                if isinstance(entry, str):
+                    self.lists.append(self.manager.encode(entry, msg.add_special_tokens))
+                else:
+                    self.texts.append(_decode(self.manager, entry, msg.skip_special_tokens))
+                self.done += 1
+                budget -= len(entry)
+                if budget <= 0:
+                    break
+        except RequestError as e:
+            return TokensReply(msg.uid, error=str(e), error_code=e.code)
+        if self.done < len(entries):
+            return None
+        if msg.token_ids is not None:
+            return TokensReply(msg.uid, texts=self.texts)
+        return _with_pieces(self.manager, msg, self.lists)
 
 
 def answer_tokens(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
     """The reply to a TokensMsg; a text or chat the server would refuse as a prompt, or a token id outside
     the vocabulary, is an error reply naming the field."""
-    tokenizer = manager.tokenizer
     try:
         if msg.token_ids is not None:
             texts = [_decode(manager, ids, msg.skip_special_tokens) for ids in msg.token_ids]
@@ -28,6 +73,11 @@ def answer_tokens(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
             lists = [manager.encode(text, msg.add_special_tokens) for text in msg.texts or []]
     except RequestError as e:
         return TokensReply(msg.uid, error=str(e), error_code=e.code)
+    return _with_pieces(manager, msg, lists)
+
+
+def _with_pieces(manager: TokenizeManager, msg: TokensMsg, lists: list[list[int]]) -> TokensReply:
+    tokenizer = manager.tokenizer
     pieces = [list(tokenizer.convert_ids_to_tokens(ids)) for ids in lists] if msg.with_pieces else None
     return TokensReply(msg.uid, token_ids=lists, pieces=pieces)
 

@@ -10,7 +10,8 @@ No call may hold up the others: prompts wait in one queue per API call and are t
 one step of one prompt of each call at a time (a long text takes a step a piece: tokenize.Tokenization),
 in slices of a few milliseconds between polls of the sockets. A call of a thousand prompts and a call of
 one are then served side by side, a megabyte prompt beside a short one, and streams keep flowing
-meanwhile. A /tokenize or /detokenize call (TokensMsg) takes its turn the same way. An abort of a prompt
+meanwhile. A /tokenize or /detokenize call (TokensMsg) takes its turns the same way, a few of its entries a
+step (tokens.TokensJob). An abort of a prompt
 still waiting, or part-way through its steps, drops it unread.
 """
 
@@ -39,7 +40,7 @@ from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
 from minisgl.tokenizer.tokenize import Tokenization, TokenizeManager
-from minisgl.tokenizer.tokens import answer_tokens
+from minisgl.tokenizer.tokens import TokensJob
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import POLL_MS, ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.trace import TRACE
@@ -77,7 +78,7 @@ class TokenizerWorker:
     # prompts not tokenized yet: a queue per API call (a /tokenize call is one too), and the waiting
     # message of each uid
     # (a prompt some steps into its tokenization waits as its Tokenization)
-    pending: deque[deque[TokenizeMsg | TokensMsg | Tokenization]] = field(default_factory=deque)
+    pending: deque[deque[TokenizeMsg | TokensMsg | TokensJob | Tokenization]] = field(default_factory=deque)
     _pending_uids: dict[int, TokenizeMsg] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -114,7 +115,7 @@ class TokenizerWorker:
         to_scheduler: list[BaseBackendMsg] = []
         replies: list[UserReply | TokensReply] = []
         for batch in batches:  # one API call's messages
-            call: deque[TokenizeMsg | TokensMsg | Tokenization] = deque()
+            call: deque[TokenizeMsg | TokensMsg | TokensJob | Tokenization] = deque()
             for msg in batch:
                 if isinstance(msg, TokensMsg):
                     call.append(msg)
@@ -144,8 +145,13 @@ class TokenizerWorker:
         while self.pending:  # at least one step a slice
             call = self.pending.popleft()
             item = call.popleft()
-            if isinstance(item, TokensMsg):
-                replies.append(answer_tokens(self.tokenize_manager, item))
+            if isinstance(item, (TokensMsg, TokensJob)):
+                tokens = item if isinstance(item, TokensJob) else TokensJob(self.tokenize_manager, item)
+                reply = tokens.step()
+                if reply is None:
+                    call.appendleft(tokens)  # more entries to go: its call's next turn
+                else:
+                    replies.append(reply)
             else:
                 job = item if isinstance(item, Tokenization) else Tokenization(self.tokenize_manager, item)
                 if job.msg.uids:  # not every choice aborted
