@@ -128,10 +128,15 @@ def refuse_over_context(value: Any, param: str, info: ValidationInfo, items: str
     return value
 
 
+def longer_than_a_call(value: Any) -> bool:
+    """Whether `value`, as JSON gave it, is a list of more prompts (texts or lists of ids) than a call takes."""
+    return isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list))
+
+
 def refuse_too_many_prompts(value: Any, param: str) -> Any:
     """`value` as it is, unless it is a list of more prompts than a call takes: then an APIError, raised
     before its elements are read."""
-    if isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list)):
+    if longer_than_a_call(value):
         check_call_size(len(value), 1, param)
     return value
 

@@ -26,6 +26,7 @@ from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
+    longer_than_a_call,
     refuse_over_context,
 )
 
@@ -38,7 +39,7 @@ def _refuse_long_batch(value: Any, param: str) -> Any:
     """`value` as it is, unless it is a batch of more entries than a completion call takes prompts: then an
     APIError, before its entries are read (the worker answers a batch a few entries a step, but its reply is
     built and sent whole)."""
-    if isinstance(value, list) and len(value) > MAX_CALL_COMPLETIONS and isinstance(value[0], (str, list)):
+    if longer_than_a_call(value):
         raise APIError(
             f"'{param}' is a batch of {len(value)}; a call takes at most {MAX_CALL_COMPLETIONS}: send the "
             "batch over several calls",

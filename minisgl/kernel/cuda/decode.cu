@@ -9,19 +9,7 @@
 // step ahead and their slots two steps ahead, so no load in the loop waits on another. The groups' partial
 // softmax states are joined through shared memory at the end. Splits write float32 partial outputs and their
 // base-2 log-sum-exp for the Triton merge kernel (minisgl/kernel/attention.py's _decode_merge_kernel).
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-__device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
-
-__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
-    unsigned short r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-}
+// decode_common.cuh comes before it (its types, bf16 conversions and the output write).
 
 // two e4m3 bytes (element 0 in the low byte) to two floats, through one f16x2 conversion
 __device__ __forceinline__ void e4m3x2_to_f32(unsigned short two, float& a, float& b) {
@@ -204,15 +192,8 @@ __device__ __forceinline__ void decode_body(
             sum += sm_l[g] * w;
             o += sm_acc[g][t] * w;
         }
-        const int head = kvh * G + h;
-        const float out = (sum > 0.0f ? o / sum : 0.0f) * vscale;
-        if (num_splits == 1) {
-            Out[b * stride_ot + head * stride_oh + t] = f32_to_bf16(out);
-        } else {
-            const long long at = ((long long)b * num_qo_heads + head) * num_splits + s;
-            MidO[at * D + t] = out;
-            if (t == 0) MidLse[at] = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
-        }
+        write_dim(Out, MidO, MidLse, b, kvh * G + h, s, t, stride_ot, stride_oh, num_qo_heads, num_splits, o, sum,
+                  mx, vscale);
         __syncthreads();
     }
 }

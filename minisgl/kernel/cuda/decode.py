@@ -41,7 +41,7 @@ def program(
     groups: tuple[int, ...] = GROUPS,
 ) -> str:
     """decode.cu with a kernel for every query group, variant and pool asked for."""
-    lines = [source("decode.cu")]
+    lines = [source("decode_common.cuh"), source("decode.cu")]
     for fp8 in fp8_pools:
         for g in groups:
             for unroll, lanes in variants:
@@ -173,7 +173,7 @@ def tc_kernel_name(group: int, variant: tuple[int, int]) -> str:
 
 def tc_program(variants: tuple[tuple[int, int], ...], groups: tuple[int, ...] = (1, 2, 4, 8)) -> str:
     """decode_tc.cu with a kernel for every query group and variant asked for."""
-    lines = [source("decode_tc.cu")]
+    lines = [source("decode_common.cuh"), source("decode_tc.cu")]
     for g in sorted(set(groups)):
         for stages, min_blocks in variants:
             lines.append(

@@ -17,11 +17,7 @@
 // memory with cp.async, STAGES - 1 tiles ahead, and reads its words from there; a thread's words loaded
 // straight into registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower at
 // 128-256 requests (docs/benchmarks.md, "Decode attention on the tensor cores").
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+// decode_common.cuh comes before it (its types, bf16 conversions and the output write).
 
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     u32 r;
@@ -48,14 +44,6 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
-
-__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
-    unsigned short r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
 }
 
 // one tile's words for one thread: its 32 bytes of key rows g and g + 8 (for S), its 16 bytes of key rows
@@ -202,7 +190,7 @@ template <int G>
 __device__ __forceinline__ void join_and_write(State& st, float* smem, bf16_t* Out, float* MidO, float* MidLse, int b,
                                                int kvh, int s, long long stride_ot, long long stride_oh,
                                                int num_qo_heads, int num_splits, float vscale, int g, int t) {
-    constexpr int D = 128, WARPS = 4;
+    constexpr int WARPS = 4;
     const int warp = threadIdx.x / 32;
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -241,15 +229,8 @@ __device__ __forceinline__ void join_and_write(State& st, float* smem, bf16_t* O
             sum += sm_l[w * 8 + h] * wt;
             o += sm_acc[w * JOIN_WARP + join_at(h, d)] * wt;
         }
-        const int head = kvh * G + h;
-        const float out = (sum > 0.0f ? o / sum : 0.0f) * vscale;
-        if (num_splits == 1) {
-            Out[b * stride_ot + head * stride_oh + d] = f32_to_bf16(out);
-        } else {
-            const long long at = ((long long)b * num_qo_heads + head) * num_splits + s;
-            MidO[at * D + d] = out;
-            if (d == 0) MidLse[at] = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
-        }
+        write_dim(Out, MidO, MidLse, b, kvh * G + h, s, d, stride_ot, stride_oh, num_qo_heads, num_splits, o, sum,
+                  mx, vscale);
     }
 }
 
