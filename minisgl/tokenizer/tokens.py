@@ -20,8 +20,9 @@ STEP_ITEMS = 32 << 10
 
 @dataclass
 class TokensJob:
-    """A TokensMsg answered a few entries a step (TokenizerWorker gives each call a step in turn): a batch of
-    thousands of texts would otherwise hold the worker, and every other call's prompt, for seconds."""
+    """The reply to a TokensMsg, a few entries a step (TokenizerWorker gives each call a step in turn): a batch
+    of thousands of texts would otherwise hold the worker, and every other call's prompt, for seconds. A text
+    or chat the server would refuse as a prompt, or a token id outside the vocabulary, is an error reply."""
 
     manager: TokenizeManager
     msg: TokensMsg
@@ -33,7 +34,7 @@ class TokensJob:
         """One step; the reply once the last entry is answered (or at the first error), else None."""
         msg = self.msg
         if msg.messages is not None:
-            return answer_tokens(self.manager, msg)  # one chat: bounded by the context length
+            return answer_chat(self.manager, msg)  # one chat: bounded by the context length
         entries: list[str] | list[list[int]] = (
             msg.token_ids if msg.token_ids is not None else (msg.texts or [])
         )
@@ -58,22 +59,14 @@ class TokensJob:
         return _with_pieces(self.manager, msg, self.lists)
 
 
-def answer_tokens(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
-    """The reply to a TokensMsg; a text or chat the server would refuse as a prompt, or a token id outside
-    the vocabulary, is an error reply naming the field."""
+def answer_chat(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
+    """The reply to a TokensMsg of a chat; one the server would refuse as a prompt is an error reply."""
+    assert msg.messages is not None
     try:
-        if msg.token_ids is not None:
-            texts = [_decode(manager, ids, msg.skip_special_tokens) for ids in msg.token_ids]
-            return TokensReply(msg.uid, texts=texts)
-        if msg.messages is not None:
-            lists = [
-                manager.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
-            ]
-        else:
-            lists = [manager.encode(text, msg.add_special_tokens) for text in msg.texts or []]
+        ids = manager.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
     except RequestError as e:
         return TokensReply(msg.uid, error=str(e), error_code=e.code)
-    return _with_pieces(manager, msg, lists)
+    return _with_pieces(manager, msg, [ids])
 
 
 def _with_pieces(manager: TokenizeManager, msg: TokensMsg, lists: list[list[int]]) -> TokensReply:
