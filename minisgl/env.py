@@ -129,9 +129,9 @@ class _Env:
         self.DECODE_TENSOR_CORES = EnvVar(
             "MINISGL_DECODE_TENSOR_CORES",
             True,
-            "with MINISGL_DECODE_CUDA over an FP8 pool and 4 or 8 query heads a KV head (2 above 64 rows), "
-            "decode attention by the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 18-25% less time than "
-            "Triton's on an H200, 3% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
+            "with MINISGL_DECODE_CUDA over an FP8 pool and 2, 4 or 8 query heads a KV head, decode attention by "
+            "the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 25-30% less time than Triton's on an H200 "
+            "at 64-256 rows, 3-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",

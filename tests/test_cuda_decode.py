@@ -18,8 +18,8 @@ from tiny import random_prompts
 from minisgl.env import ENV
 from minisgl.kernel import cuda as cuda_kernels
 from minisgl.kernel.cuda.decode import (
+    TC_FEW_ROWS,
     TC_GROUPS,
-    TC_LARGE_GROUPS,
     TC_SMALL_BATCH,
     TC_VARIANTS,
     CudaDecode,
@@ -160,18 +160,19 @@ def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch:
 def test_the_engine_takes_the_tensor_core_kernel_for_the_groups_and_batches_it_is_faster_at() -> None:
     from types import SimpleNamespace
 
-    tc = SimpleNamespace(groups=TC_GROUPS, large_groups=TC_LARGE_GROUPS, fp8=True)
+    tc = SimpleNamespace(groups=TC_GROUPS, fp8=True)
     f8 = torch.float8_e4m3fn
     k = torch.zeros(8, 2, 128, dtype=f8)
     for group in (1, 2, 4, 8):
         for rows in (3, TC_SMALL_BATCH, TC_SMALL_BATCH + 1):
             q = torch.zeros(rows, 2 * group, 128, dtype=torch.bfloat16)
-            # 4 and 8 query heads a KV head at every batch, 2 above TC_SMALL_BATCH rows
-            want = group >= 4 or (group == 2 and rows > TC_SMALL_BATCH)
-            assert TensorCoreDecode.applies(tc, q, k) == want  # type: ignore[arg-type]
+            # 2, 4 and 8 query heads a KV head at every batch; 1 keeps decode.cu's kernel
+            assert TensorCoreDecode.applies(tc, q, k) == (group >= 2)  # type: ignore[arg-type]
             assert not TensorCoreDecode.applies(tc, q, k.bfloat16())  # type: ignore[arg-type]
-    small, large = TensorCoreDecode.variant, SimpleNamespace(variants=TC_VARIANTS)
-    assert small(large, 64) == TC_VARIANTS[0] and small(large, 65) == TC_VARIANTS[-1]  # type: ignore[arg-type]
+    choose, tc = TensorCoreDecode.variant, SimpleNamespace(variants=TC_VARIANTS)
+    few, small, large = TC_FEW_ROWS, TC_SMALL_BATCH, TC_SMALL_BATCH + 1
+    picks = [choose(tc, n) for n in (1, few, few + 1, small, large, 256)]  # type: ignore[arg-type]
+    assert picks == [TC_VARIANTS[-1]] * 2 + [TC_VARIANTS[0]] * 2 + [TC_VARIANTS[-1]] * 2
 
 
 @functools.cache

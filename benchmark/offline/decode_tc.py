@@ -29,13 +29,21 @@ SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "minisgl", "kernel", "cuda", "decode_tc.cu"
 )
 HK = 8
+# the variants timed and compiled: the engine's (TC_VARIANTS) unless --variants names others
+VARIANTS: tuple[tuple[int, ...], ...] = ()
+
+
+def variants() -> tuple[tuple[int, ...], ...]:
+    from minisgl.kernel.cuda.decode import TC_VARIANTS
+
+    return VARIANTS or TC_VARIANTS
 
 
 def tc_program() -> str:
-    """decode_tc.cu with every variant TC_VARIANTS names, for each query group."""
-    from minisgl.kernel.cuda.decode import TC_VARIANTS, tc_program
+    """decode_tc.cu with every variant timed, for each query group."""
+    from minisgl.kernel.cuda.decode import tc_program
 
-    return tc_program(TC_VARIANTS)
+    return tc_program(variants())
 
 
 def compile_only(arch: str) -> None:
@@ -143,9 +151,9 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
 
 def tensor_core_kernels() -> Any:
     """The engine's launcher of decode_tc.cu (the same arguments, grid and merge as decode.cu's)."""
-    from minisgl.kernel.cuda.decode import TC_VARIANTS, TensorCoreDecode
+    from minisgl.kernel.cuda.decode import TensorCoreDecode
 
-    return TensorCoreDecode(variants=TC_VARIANTS, groups=TensorCoreDecode.GROUPS)
+    return TensorCoreDecode(variants=variants(), groups=TensorCoreDecode.GROUPS)
 
 
 def check_reference(tc: Any) -> float:
@@ -181,12 +189,17 @@ def check_reference(tc: Any) -> float:
     return worst
 
 
-def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[dict[str, Any]]:
+def run_batch(
+    tc: Any, cores: Any, bs: int, group: int, layout: str = "engine", d: int = 128
+) -> list[dict[str, Any]]:
+    """Every kernel on the workload's contexts halfway; `layout` is kv_layout.py's slot layout, with ":hm" a
+    head-major pool (a head's slots side by side, seen through a transpose)."""
     from kv_layout import decode_case, graph_us
 
     from minisgl.kernel import attention as attn
 
-    c = decode_case(bs, "engine", True, hq=group * HK, hk=HK)
+    slots, _, pool = layout.partition(":")
+    c = decode_case(bs, slots, True, head_major=pool == "hm", hq=group * HK, hk=HK)
     order = c.order()
     splits = attn.decode_splits(bs, HK)
     args = (c.q, c.k, c.v, c.table, c.rows, c.seq, splits, d**-0.5, *c.scales)
@@ -197,7 +210,7 @@ def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[di
     ref = triton().float()
     runs = {"triton": triton}
     for variant in tc.variants:
-        runs[f"tc {variant[0]} stages"] = lambda variant=variant: tc(*args, order, variant)
+        runs[f"tc {','.join(map(str, variant))}"] = lambda variant=variant: tc(*args, order, variant)
     if cores is not None and group in cores.groups:
         runs["CUDA cores"] = lambda: cores(*args, order=order)
     rows = []
@@ -208,6 +221,7 @@ def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[di
             dict(
                 bs=bs,
                 group=group,
+                layout=layout,
                 kernel=name,
                 splits=splits,
                 us=us,
@@ -215,7 +229,7 @@ def run_batch(tc: Any, cores: Any, bs: int, group: int, d: int = 128) -> list[di
                 max_diff=diff,
             )
         )
-        print(f"G={group} bs={bs:3d} {name:>12}: {us:7.1f} us ({c.kv_bytes / us / 1e6:.2f} TB/s), "
+        print(f"G={group} bs={bs:3d} {layout:>14} {name:>12}: {us:7.1f} us ({c.kv_bytes / us / 1e6:.2f} TB/s), "
               f"max diff against Triton {diff:.2e}", flush=True)  # fmt: skip
     return rows
 
@@ -225,10 +239,22 @@ def main() -> None:
     p.add_argument("--batches", default="16,64,128,256")
     p.add_argument("--groups", default="2,4", help="query heads a KV head (8 KV heads)")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--layouts",
+        default="engine",
+        help="slot layouts of kv_layout.py (engine, contiguous, random, pages), ':hm' for a head-major pool",
+    )
     p.add_argument("--compile-only", action="store_true", help="compile with NVRTC and print ptxas's report")
     p.add_argument("--arch", default="sm_90", help="--compile-only's target")
     p.add_argument("--emulate", action="store_true", help="check the fragment layouts on the CPU (emulate())")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="decode_tc.cu variants to time, 'STAGES,MIN_BLOCKS[,WIDEN,JIT];...' (default: the engine's)",
+    )
     args = p.parse_args()
+    global VARIANTS
+    VARIANTS = tuple(tuple(int(x) for x in v.split(",")) for v in args.variants.split(";") if v)
     if args.compile_only:
         compile_only(args.arch)
         return
@@ -247,7 +273,8 @@ def main() -> None:
     results: list[dict[str, Any]] = [dict(reference_rel_err=worst)]
     for group in (int(g) for g in args.groups.split(",")):
         for bs in (int(b) for b in args.batches.split(",")):
-            results += run_batch(tc, cores, bs, group)
+            for layout in args.layouts.split(","):
+                results += run_batch(tc, cores, bs, group, layout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

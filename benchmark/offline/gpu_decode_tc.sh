@@ -3,14 +3,13 @@
 # minutes. Parts (the arguments; default all):
 #   kernels  its register report; each variant checked against a float64 reference (no timing if one is
 #            off), then against Triton's and the CUDA-core kernel's outputs and times at 16-256 requests, 2 and
-#            4 query heads a KV head
+#            4 query heads a KV head (DECODE_TC_VARIANTS, DECODE_TC_LAYOUTS: decode_tc.py's --variants and
+#            --layouts, default the engine's variants and slots)
 #   ncu      Nsight Compute on each variant at 256 requests
 #   tests    the CUDA decode and FP8 cache tests on the GPU
 #   llama    the upstream workload on the Llama-3-8B shape (4 query heads a KV head) with the FP8 cache, the
 #            tensor-core kernel then Triton's (fresh processes, first run and second)
-#   qwen     the same on the Qwen3-0.6B shape (2 query heads a KV head: the tensor cores above 64 rows only)
-#   large    the Qwen3-0.6B shape's FP8 workload with the tensor cores above 64 rows (TC_LARGE_GROUPS) and
-#            without (decode.cu's kernel at every batch), alternating, two processes each
+#   qwen     the same on the Qwen3-0.6B shape (2 query heads a KV head; without: decode.cu's kernel)
 # Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
@@ -29,9 +28,10 @@ workload() {
 for part in $parts; do
     case $part in
     kernels)
-        timeout 60 python benchmark/offline/decode_tc.py --compile-only \
+        timeout 120 python benchmark/offline/decode_tc.py --compile-only --variants "${DECODE_TC_VARIANTS:-}" \
             --arch "sm_$(python -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")"
-        timeout 150 python benchmark/offline/decode_tc.py --json "$OUT/decode_tc.json" 2>&1 | grep -v Warn | tail -40
+        timeout 300 python benchmark/offline/decode_tc.py --json "$OUT/decode_tc.json" \
+            --variants "${DECODE_TC_VARIANTS:-}" --layouts "${DECODE_TC_LAYOUTS:-engine}" 2>&1 | grep -v Warn | tail -150
         ;;
     ncu)
         NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2> /dev/null | head -1)
@@ -47,19 +47,6 @@ for part in $parts; do
         ;;
     llama) workload llama3-8b ;;
     qwen) workload qwen3-0.6b ;;
-    large)
-        ckpt qwen3-0.6b
-        for round in 1 2; do
-            for groups in "(2,)" "()"; do
-                echo "== qwen3-0.6b FP8 cache, TC_LARGE_GROUPS=$groups, round $round"
-                timeout 100 python -c "import sys, runpy; import minisgl.kernel.cuda.decode as d; d.TC_LARGE_GROUPS = $groups
-sys.argv = ['bench.py'] + sys.argv[1:]; runpy.run_path('benchmark/offline/bench.py', run_name='__main__')" \
-                    --model /tmp/ckpt/qwen3-0.6b --device cuda --peer none --repeat 2 --kv-cache-dtype fp8_e4m3 \
-                    --json "$OUT/bench_large_${#groups}_$round.json" 2>&1 | grep -E "minisgl" | tail -2
-            done
-        done
-        timeout 150 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py -k engine 2>&1 | tail -2
-        ;;
     *) echo "unknown part $part" ;;
     esac
 done

@@ -155,14 +155,14 @@ class CudaDecode:
         return out
 
 
-# decode_tc.cu's variants: (STAGES, MIN_BLOCKS), see the kernel; the engine takes the first up to TC_SMALL_BATCH
-# rows, the second above (measured on an H200: docs/benchmarks.md, "Decode attention on the tensor cores")
+# decode_tc.cu's variants: (STAGES, MIN_BLOCKS), see the kernel; the engine takes the first for batches of
+# TC_FEW_ROWS + 1 to TC_SMALL_BATCH rows, the second for the others (measured on an H200: docs/benchmarks.md,
+# "Decode attention on the tensor cores")
 TC_VARIANTS = ((4, 3), (2, 4))
+TC_FEW_ROWS = 16
 TC_SMALL_BATCH = 64
-# query heads a KV head that the engine takes decode_tc.cu for (faster than Triton's kernel there), and those
-# it takes it for above TC_SMALL_BATCH rows only (3% faster than decode.cu's kernel there, slower below)
-TC_GROUPS = (4, 8)
-TC_LARGE_GROUPS = (2,)
+# query heads a KV head that the engine takes decode_tc.cu for: faster than Triton's kernel and decode.cu's there
+TC_GROUPS = (2, 4, 8)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
@@ -193,23 +193,16 @@ class TensorCoreDecode(CudaDecode):
         device_index: int = 0,
         variants: tuple[tuple[int, int], ...] = TC_VARIANTS,
         groups: tuple[int, ...] = TC_GROUPS,
-        large_groups: tuple[int, ...] | None = None,
     ) -> None:
         self.fp8 = True
         self.variants = variants
         self.groups = groups
-        self.large_groups = TC_LARGE_GROUPS if large_groups is None else large_groups
         # only the groups it is asked for: NVRTC takes about 0.4 s a kernel on a 2-core machine (once: the cubin
         # is cached)
-        compiled = self.groups + self.large_groups
-        self.module = load_module(tc_program(variants, compiled), "decode_tc.cu", device_index)
-        for g in set(compiled):
+        self.module = load_module(tc_program(variants, groups), "decode_tc.cu", device_index)
+        for g in groups:
             for v in variants:
                 self.module.allow_shared(tc_kernel_name(g, v), self.shared_bytes(v))
-
-    def applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        groups = self.groups + (self.large_groups if q.shape[0] > TC_SMALL_BATCH else ())
-        return _applies(q, k_cache, groups, self.fp8)
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
         return tc_kernel_name(group, variant)
@@ -218,5 +211,5 @@ class TensorCoreDecode(CudaDecode):
         return max(variant[0] * 4 * 4096, _JOIN_BYTES)
 
     def variant(self, batch_size: int) -> tuple[int, int]:
-        """The engine's choice: the first of `variants` up to TC_SMALL_BATCH rows, the last above."""
-        return self.variants[0] if batch_size <= TC_SMALL_BATCH else self.variants[-1]
+        """The engine's choice: the first of `variants` from TC_FEW_ROWS + 1 to TC_SMALL_BATCH rows, else the last."""
+        return self.variants[0] if TC_FEW_ROWS < batch_size <= TC_SMALL_BATCH else self.variants[-1]

@@ -14,9 +14,10 @@
 // four shuffles.
 //
 // How the rows reach the registers: each warp copies its tiles into a ring of STAGES tiles (4 KB each) in shared
-// memory with cp.async, STAGES - 1 tiles ahead, and reads its words from there; a thread's words loaded
-// straight into registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower at
-// 128-256 requests (docs/benchmarks.md, "Decode attention on the tensor cores").
+// memory with cp.async, STAGES - 1 tiles ahead, each copy instruction 4 whole rows, the slots read from the page
+// table a turn before their copy; and reads its words from there. A thread's words loaded straight into
+// registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower at 128-256 requests
+// (docs/benchmarks.md, "Decode attention on the tensor cores").
 // decode_common.cuh comes before it (its types, bf16 conversions and the output write).
 
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
@@ -64,7 +65,7 @@ __device__ __forceinline__ u32 word1(const uint4& w, int i) {
 
 // the ring in shared memory: [warp][stage][K, V][key row 0..15][16-byte word 0..7], word w of row r stored at
 // w ^ (r & 7), so that the words a warp reads at once (S: rows g, g + 8, words 2t, 2t + 1; O: rows 2t.., word g)
-// and those it copies fall in distinct banks
+// and those it copies (a whole row a quarter warp) fall in distinct banks
 __device__ __forceinline__ int ring_word(int stage, int kv, int r, int w, int stages) {
     return ((((threadIdx.x / 32) * stages + stage) * 2 + kv) * 16 + r) * 8 + (w ^ (r & 7));
 }
@@ -81,19 +82,34 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// the warp's tile at kb0 into stage `stage`: lane L copies words 4 (L % 2) .. + 3 of key row L / 2, of K and of V;
-// keys past `end` are zero-filled (no read)
+// the slots of the rows lane L copies of the warp's tile at kb0: rows L / 8 + 4i, i = 0..3 (-1 past `end`)
+struct Slots {
+    int s[4];
+};
+
+__device__ __forceinline__ int copy_row(int i) { return threadIdx.x % 32 / 8 + 4 * i; }
+
+__device__ __forceinline__ Slots tile_slots(const int* table, int kb0, int end) {
+    Slots r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.s[i] = kb0 + copy_row(i) < end ? table[kb0 + copy_row(i)] : -1;
+    return r;
+}
+
+// the warp's tile into stage `stage`, its rows at `slots`: copy i, lane L takes word L % 8 of row L / 8 + 4i, of
+// K and of V, so that each instruction asks for 4 whole 128-byte rows (16 rows, 32 bytes of each, read 6-7%
+// slower, and 1.8x slower when the slots lie anywhere: docs/benchmarks.md); a row past the end (slot -1) is
+// zero-filled, not read
 template <int STAGES>
-__device__ __forceinline__ void copy_tile(uint4* ring, const char* K, const char* V, const int* table, int kb0, int end,
+__device__ __forceinline__ void copy_tile(uint4* ring, const char* K, const char* V, const Slots& slots,
                                           long long stride_kt, long long head_col, int stage) {
-    const int lane = threadIdx.x % 32, r = lane / 2, w0 = 4 * (lane % 2);
-    const int key = kb0 + r;
-    const int bytes = key < end ? 16 : 0;
-    const long long at = (key < end ? (long long)table[key] * stride_kt : 0) + head_col + 16 * w0;
+    const int w = threadIdx.x % 8;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        cp_async16(ring + ring_word(stage, 0, r, w0 + i, STAGES), K + at + 16 * i, bytes);
-        cp_async16(ring + ring_word(stage, 1, r, w0 + i, STAGES), V + at + 16 * i, bytes);
+        const int slot = slots.s[i], r = copy_row(i);
+        const long long at = (slot >= 0 ? (long long)slot * stride_kt : 0) + head_col + 16 * w;
+        cp_async16(ring + ring_word(stage, 0, r, w, STAGES), K + at, slot >= 0 ? 16 : 0);
+        cp_async16(ring + ring_word(stage, 1, r, w, STAGES), V + at, slot >= 0 ? 16 : 0);
     }
 }
 
@@ -292,19 +308,22 @@ __device__ __forceinline__ void decode_tc_body(
     const int first = start + warp * TILE;
     const long long head_col = kvh * stride_kh;
     const int tiles = end > first ? (end - first + stride - 1) / stride : 0;
+    auto slots_of = [&](int i) { return tile_slots(table, first + i * stride, i < tiles ? end : 0); };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < tiles) copy_tile<STAGES>(smem, K, V, table, first + i * stride, end, stride_kt, head_col, i);
+        if (i < tiles) copy_tile<STAGES>(smem, K, V, slots_of(i), stride_kt, head_col, i);
         cp_async_commit();
     }
+    // the next copy's slots, read a turn before it, so that the copy does not wait on the page table
+    Slots next = slots_of(STAGES - 1);
     for (int i = 0; i < tiles; ++i) {
         cp_async_wait<STAGES - 2>();  // this lane's copies of tile i are in; the warp's after the barrier
         __syncwarp();                 // also: every lane is done reading the stage the copy below refills
         const Tile cur = read_tile<STAGES>(smem, i % STAGES, g, t);
         const int ahead = i + STAGES - 1;
-        if (ahead < tiles)
-            copy_tile<STAGES>(smem, K, V, table, first + ahead * stride, end, stride_kt, head_col, ahead % STAGES);
+        if (ahead < tiles) copy_tile<STAGES>(smem, K, V, next, stride_kt, head_col, ahead % STAGES);
         cp_async_commit();
+        next = slots_of(ahead + 1);
         attend_tile(st, cur, qf, first + i * stride, end, g, t);
     }
     cp_async_wait<0>();
