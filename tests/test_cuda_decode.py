@@ -157,6 +157,34 @@ def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch:
     assert triton_backend._tensor_core_decode(fp8, gpu) is None  # type: ignore[arg-type]
 
 
+def test_a_model_whose_group_is_known_compiles_only_the_kernels_it_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine passes its query heads a KV head: an FP8 pool compiles decode.cu's module only for a group the
+    tensor-core kernel does not take, and neither for a group neither takes."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from minisgl.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "TensorCoreDecode", lambda *a, **k: "tensor cores")
+    monkeypatch.setattr(triton_backend, "CudaDecode", lambda *a, **k: "cuda cores")
+    gpu = torch.device("cuda", 0)
+    built = {}
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        pool = SimpleNamespace(head_dim=128, dtype=dtype, num_layers=0)
+        for group in (None, 1, 2, 4, 8, 16):
+            b = triton_backend.TritonAttnBackend(pool, torch.zeros(1, 1), gpu, group)  # type: ignore[arg-type]
+            built[(dtype, group)] = (b.tc_decode, b.cuda_decode)
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert built[(fp8, None)] == ("tensor cores", "cuda cores")  # not known: both, as before
+    assert built[(fp8, 1)] == (None, "cuda cores")
+    assert built[(fp8, 2)] == built[(fp8, 4)] == built[(fp8, 8)] == ("tensor cores", None)
+    assert built[(fp8, 16)] == (None, None)
+    assert built[(bf16, None)] == built[(bf16, 1)] == built[(bf16, 2)] == (None, "cuda cores")
+    assert built[(bf16, 4)] == built[(bf16, 8)] == (None, None)
+
+
 def test_the_engine_takes_the_tensor_core_kernel_for_the_groups_and_batches_it_is_faster_at() -> None:
     from types import SimpleNamespace
 

@@ -11,8 +11,14 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 
 
 def create_attn_backend(
-    name: str, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device
+    name: str,
+    kv_cache: MHAKVCache,
+    page_table: torch.Tensor,
+    device: torch.device,
+    group: int | None = None,
 ) -> BaseAttnBackend:
+    """`group`: the model's query heads a KV head on this rank, where known (the Triton backend then compiles
+    only the CUDA decode kernels that take it)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" or triton_everywhere() else "cpu"
     if name == "cpu":
@@ -32,7 +38,7 @@ def create_attn_backend(
     if name == "triton":
         from minisgl.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(kv_cache, page_table, device)
+        return TritonAttnBackend(kv_cache, page_table, device, group)
     raise ValueError(f"attention backend {name!r} is unknown; use one of auto, cpu, torch, triton")
 
 

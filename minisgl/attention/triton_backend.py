@@ -26,7 +26,8 @@ from minisgl.kernel.attention import (
     ordered_from,
 )
 from minisgl.kernel.cuda import CudaUnavailable
-from minisgl.kernel.cuda.decode import HEAD_DIM, CudaDecode, TensorCoreDecode
+from minisgl.kernel.cuda.decode import GROUPS as CUDA_GROUPS
+from minisgl.kernel.cuda.decode import HEAD_DIM, TC_GROUPS, CudaDecode, TensorCoreDecode
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.utils.logger import init_logger
@@ -57,9 +58,10 @@ def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
     )
 
 
-def _cuda_decode(kv_cache: MHAKVCache, device: torch.device) -> CudaDecode | None:
-    """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it."""
-    if not _cuda_decode_wanted(kv_cache, device):
+def _cuda_decode(kv_cache: MHAKVCache, device: torch.device, group: int | None = None) -> CudaDecode | None:
+    """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it; not
+    compiled for a model whose query heads a KV head (`group`, where known) it never takes."""
+    if not _cuda_decode_wanted(kv_cache, device) or (group is not None and group not in CUDA_GROUPS):
         return None
     try:
         return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0)
@@ -68,12 +70,16 @@ def _cuda_decode(kv_cache: MHAKVCache, device: torch.device) -> CudaDecode | Non
         return None
 
 
-def _tensor_core_decode(kv_cache: MHAKVCache, device: torch.device) -> TensorCoreDecode | None:
-    """The tensor-core decode kernel for an FP8 pool (the query groups of TC_GROUPS), where it is asked for."""
+def _tensor_core_decode(
+    kv_cache: MHAKVCache, device: torch.device, group: int | None = None
+) -> TensorCoreDecode | None:
+    """The tensor-core decode kernel for an FP8 pool (the query groups of TC_GROUPS), where it is asked for and
+    the model's `group` (where known) is one of them."""
     if (
         _cuda_decode_wanted(kv_cache, device)
         and kv_cache.dtype == FP8_DTYPE
         and ENV.DECODE_TENSOR_CORES.value
+        and (group is None or group in TC_GROUPS)
     ):
         try:
             return TensorCoreDecode(device.index or 0)
@@ -85,7 +91,13 @@ def _tensor_core_decode(kv_cache: MHAKVCache, device: torch.device) -> TensorCor
 class TritonAttnBackend(BaseAttnBackend):
     supports_cuda_graphs = True
 
-    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self,
+        kv_cache: MHAKVCache,
+        page_table: torch.Tensor,
+        device: torch.device,
+        group: int | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.device = device
@@ -99,8 +111,14 @@ class TritonAttnBackend(BaseAttnBackend):
         # read once, so that the graphs and every step's metadata agree on it
         self.order_from = int(ENV.DECODE_LONGEST_FIRST.value)
         self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
-        self.cuda_decode = _cuda_decode(kv_cache, device)
-        self.tc_decode = _tensor_core_decode(kv_cache, device)
+        # the tensor-core kernel takes its groups at every batch, so for a model whose group is known decode.cu's
+        # module is compiled only where the tensor-core one is not
+        self.tc_decode = _tensor_core_decode(kv_cache, device, group)
+        self.cuda_decode = (
+            None
+            if self.tc_decode is not None and group is not None
+            else _cuda_decode(kv_cache, device, group)
+        )
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
 
     def prepare_metadata(self, batch: Batch) -> None:

@@ -128,8 +128,13 @@ class Engine:
             self.page_table[config.max_running_req].fill_(self.num_pages * self.page_size)
         # token_pool[row, pos] is the token at position pos of the request in that row, kept on the device
         self.token_pool = torch.zeros_like(self.page_table)
+        local_qo_heads = mc.num_qo_heads // self.tp_info.size
         self.attn_backend = create_attn_backend(
-            config.attention_backend, self.kv_cache, self.page_table, self.device
+            config.attention_backend,
+            self.kv_cache,
+            self.page_table,
+            self.device,
+            local_qo_heads // self.kv_cache.num_kv_heads,
         )
         self.ctx = Context(self.page_size, self.kv_cache, self.page_table, self.attn_backend)
         set_global_ctx(self.ctx)
