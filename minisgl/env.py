@@ -129,9 +129,10 @@ class _Env:
         self.DECODE_TENSOR_CORES = EnvVar(
             "MINISGL_DECODE_TENSOR_CORES",
             True,
-            "with MINISGL_DECODE_CUDA over an FP8 pool and 2, 4 or 8 query heads a KV head, decode attention by "
-            "the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu: 25-30% less time than Triton's on an H200 "
-            "at 64-256 rows, 3-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
+            "with MINISGL_DECODE_CUDA over an FP8 or bf16 pool and 2, 4 or 8 query heads a KV head, decode "
+            "attention by the tensor-core kernel (minisgl/kernel/cuda/decode_tc.cu; on an H200 FP8 25-30% less "
+            "time than Triton's kernel at 64-256 rows and 3-12% less than decode.cu's, bf16 5-14% less than "
+            "Triton's and 0-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",

@@ -18,6 +18,7 @@ from tiny import random_prompts
 from minisgl.env import ENV
 from minisgl.kernel import cuda as cuda_kernels
 from minisgl.kernel.cuda.decode import (
+    TC_BF16_VARIANTS,
     TC_FEW_ROWS,
     TC_GROUPS,
     TC_SMALL_BATCH,
@@ -130,7 +131,7 @@ def test_without_nvrtc_the_backend_keeps_the_triton_kernel(monkeypatch: pytest.M
     assert triton_backend._cuda_decode(pool, torch.device("cuda", 0)) is None  # type: ignore[arg-type]
 
 
-def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
@@ -141,7 +142,9 @@ def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch:
     bf16 = SimpleNamespace(head_dim=128, dtype=torch.bfloat16)
     gpu = torch.device("cuda", 0)
     assert triton_backend._tensor_core_decode(fp8, gpu) == "tensor cores"  # type: ignore[arg-type]
-    assert triton_backend._tensor_core_decode(bf16, gpu) is None  # type: ignore[arg-type]
+    assert triton_backend._tensor_core_decode(bf16, gpu) == "tensor cores"  # type: ignore[arg-type]
+    small = SimpleNamespace(head_dim=64, dtype=torch.float8_e4m3fn)
+    assert triton_backend._tensor_core_decode(small, gpu) is None  # type: ignore[arg-type]
     assert triton_backend._tensor_core_decode(fp8, torch.device("cpu")) is None  # type: ignore[arg-type]
     monkeypatch.setattr(ENV.DECODE_TENSOR_CORES, "value", False)
     assert triton_backend._tensor_core_decode(fp8, gpu) is None  # type: ignore[arg-type]
@@ -160,7 +163,7 @@ def test_an_fp8_pool_asks_for_the_tensor_core_kernel_where_it_is_on(monkeypatch:
 def test_a_model_whose_group_is_known_compiles_only_the_kernels_it_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The engine passes its query heads a KV head: an FP8 pool compiles decode.cu's module only for a group the
+    """The engine passes its query heads a KV head: a pool compiles decode.cu's module only for a group the
     tensor-core kernel does not take, and neither for a group neither takes."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
@@ -181,8 +184,10 @@ def test_a_model_whose_group_is_known_compiles_only_the_kernels_it_takes(
     assert built[(fp8, 1)] == (None, "cuda cores")
     assert built[(fp8, 2)] == built[(fp8, 4)] == built[(fp8, 8)] == ("tensor cores", None)
     assert built[(fp8, 16)] == (None, None)
-    assert built[(bf16, None)] == built[(bf16, 1)] == built[(bf16, 2)] == (None, "cuda cores")
-    assert built[(bf16, 4)] == built[(bf16, 8)] == (None, None)
+    assert built[(bf16, None)] == ("tensor cores", "cuda cores")
+    assert built[(bf16, 1)] == (None, "cuda cores")
+    assert built[(bf16, 2)] == built[(bf16, 4)] == built[(bf16, 8)] == ("tensor cores", None)
+    assert built[(bf16, 16)] == (None, None)
 
 
 def test_the_engine_takes_the_tensor_core_kernel_for_the_groups_and_batches_it_is_faster_at() -> None:
@@ -268,15 +273,17 @@ def test_the_kernel_attends_as_a_float64_reference(
     assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
 
 
-@pytest.mark.parametrize("variant", TC_VARIANTS)
+@pytest.mark.parametrize("variant", [0, 1])
 @pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
 @pytest.mark.parametrize("group", TensorCoreDecode.GROUPS)
+@pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_the_tensor_core_kernel_attends_as_a_float64_reference(
-    group: int, num_splits: int, ordered: bool, variant: tuple[int, int]
+    fp8: bool, group: int, num_splits: int, ordered: bool, variant: int
 ) -> None:
-    """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones."""
+    """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones; an FP8 pool and a
+    bf16 one, each variant the engine takes."""
     from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
 
     from minisgl.kernel.attention import decode_order
@@ -284,24 +291,30 @@ def test_the_tensor_core_kernel_attends_as_a_float64_reference(
     lens, hk, d = [1, 5, 37, 300, 129, 1000, 64, 16], 2, 128
     hq = group * hk
     k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + num_splits)
-    k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+    if fp8:
+        kc, vc, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+    else:
+        kc, vc, ks, vs = (k * 3).bfloat16(), v.bfloat16(), None, None
+        k_ref, v_ref = kc.float(), vc.float()
     qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
     q = qkv[:, : hq * d].view(len(lens), hq, d)
     rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
-    kernel = _tensor_cores()
-    assert kernel.applies(q, k8) and not kernel.applies(q, k8.bfloat16())
-    out = kernel(q, k8, v8, table, rows, seq, num_splits, d**-0.5, ks, vs, order, variant)
+    kernel = _tensor_cores(fp8)
+    other = kc.bfloat16() if fp8 else kc.to(torch.float8_e4m3fn)
+    assert kernel.applies(q, kc) and not kernel.applies(q, other)
+    out = kernel(q, kc, vc, table, rows, seq, num_splits, d**-0.5, ks, vs, order, kernel.variants[variant])
     ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
     assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
-    # f16 products (10-bit mantissas for q and the weights) and the bf16 output: within 2**-7 relative
+    # f16 (FP8 pool) or bf16 products and the bf16 output: within 2**-7 relative
     assert rel_err(out.float().cpu(), ref) < 8e-3
 
 
 @functools.cache
-def _tensor_cores() -> TensorCoreDecode:
-    return TensorCoreDecode(variants=TC_VARIANTS, groups=TensorCoreDecode.GROUPS)
+def _tensor_cores(fp8: bool) -> TensorCoreDecode:
+    variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
+    return TensorCoreDecode(variants=variants, groups=TensorCoreDecode.GROUPS, fp8=fp8)
 
 
 def _teacher_forced_logits(folder: str, seq: list[int], prompt_len: int) -> torch.Tensor:
@@ -324,6 +337,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ("llama-head-dim-128-mha", "auto", False),
         ("qwen3-head-dim-128", "fp8_e4m3", False),
         ("llama-head-dim-128-gqa4", "fp8_e4m3", True),
+        ("qwen3-head-dim-128", "auto", True),
+        ("llama-head-dim-128-gqa4", "auto", True),
     ],
 )
 @pytest.mark.gpu

@@ -31,19 +31,20 @@ SOURCE = os.path.join(
 HK = 8
 # the variants timed and compiled: the engine's (TC_VARIANTS) unless --variants names others
 VARIANTS: tuple[tuple[int, ...], ...] = ()
+FP8 = True  # the pool: --pool
 
 
 def variants() -> tuple[tuple[int, ...], ...]:
-    from minisgl.kernel.cuda.decode import TC_VARIANTS
+    from minisgl.kernel.cuda.decode import TC_BF16_VARIANTS, TC_VARIANTS
 
-    return VARIANTS or TC_VARIANTS
+    return VARIANTS or (TC_VARIANTS if FP8 else TC_BF16_VARIANTS)
 
 
 def tc_program() -> str:
     """decode_tc.cu with every variant timed, for each query group."""
     from minisgl.kernel.cuda.decode import tc_program
 
-    return tc_program(variants())
+    return tc_program(variants(), fp8=FP8)  # type: ignore[arg-type]
 
 
 def compile_only(arch: str) -> None:
@@ -153,7 +154,7 @@ def tensor_core_kernels() -> Any:
     """The engine's launcher of decode_tc.cu (the same arguments, grid and merge as decode.cu's)."""
     from minisgl.kernel.cuda.decode import TensorCoreDecode
 
-    return TensorCoreDecode(variants=variants(), groups=TensorCoreDecode.GROUPS)
+    return TensorCoreDecode(variants=variants(), groups=TensorCoreDecode.GROUPS, fp8=FP8)  # type: ignore[arg-type]
 
 
 def check_reference(tc: Any) -> float:
@@ -167,7 +168,11 @@ def check_reference(tc: Any) -> float:
             lens, hk, d = [1, 5, 37, 300, 129, 1000, 64, 16], 2, 128
             hq = group * hk
             k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + splits)
-            k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+            if FP8:
+                k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+            else:  # the bf16 pool, and its values as the reference's
+                k8, v8, ks, vs = (k * 3).bfloat16(), v.bfloat16(), None, None
+                k_ref, v_ref = k8.float(), v8.float()
             qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
             q = qkv[:, : hq * d].view(len(lens), hq, d)
             rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
@@ -199,7 +204,7 @@ def run_batch(
     from minisgl.kernel import attention as attn
 
     slots, _, pool = layout.partition(":")
-    c = decode_case(bs, slots, True, head_major=pool == "hm", hq=group * HK, hk=HK)
+    c = decode_case(bs, slots, FP8, head_major=pool == "hm", hq=group * HK, hk=HK)
     order = c.order()
     splits = attn.decode_splits(bs, HK)
     args = (c.q, c.k, c.v, c.table, c.rows, c.seq, splits, d**-0.5, *c.scales)
@@ -239,6 +244,7 @@ def main() -> None:
     p.add_argument("--batches", default="16,64,128,256")
     p.add_argument("--groups", default="2,4", help="query heads a KV head (8 KV heads)")
     p.add_argument("--json", default=None)
+    p.add_argument("--pool", choices=("fp8", "bf16"), default="fp8", help="the KV pool's dtype")
     p.add_argument(
         "--layouts",
         default="engine",
@@ -253,7 +259,8 @@ def main() -> None:
         help="decode_tc.cu variants to time, 'STAGES,MIN_BLOCKS[,WIDEN,JIT];...' (default: the engine's)",
     )
     args = p.parse_args()
-    global VARIANTS
+    global VARIANTS, FP8
+    FP8 = args.pool == "fp8"
     VARIANTS = tuple(tuple(int(x) for x in v.split(",")) for v in args.variants.split(";") if v)
     if args.compile_only:
         compile_only(args.arch)
@@ -269,7 +276,7 @@ def main() -> None:
 
     tc = tensor_core_kernels()
     worst = check_reference(tc)
-    cores = CudaDecode(True)
+    cores = CudaDecode(FP8)
     results: list[dict[str, Any]] = [dict(reference_rel_err=worst)]
     for group in (int(g) for g in args.groups.split(",")):
         for bs in (int(b) for b in args.batches.split(",")):

@@ -27,7 +27,14 @@ from minisgl.kernel.attention import (
 )
 from minisgl.kernel.cuda import CudaUnavailable
 from minisgl.kernel.cuda.decode import GROUPS as CUDA_GROUPS
-from minisgl.kernel.cuda.decode import HEAD_DIM, TC_GROUPS, CudaDecode, TensorCoreDecode
+from minisgl.kernel.cuda.decode import (
+    HEAD_DIM,
+    TC_BF16_VARIANTS,
+    TC_GROUPS,
+    TC_VARIANTS,
+    CudaDecode,
+    TensorCoreDecode,
+)
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.utils.logger import init_logger
@@ -73,18 +80,17 @@ def _cuda_decode(kv_cache: MHAKVCache, device: torch.device, group: int | None =
 def _tensor_core_decode(
     kv_cache: MHAKVCache, device: torch.device, group: int | None = None
 ) -> TensorCoreDecode | None:
-    """The tensor-core decode kernel for an FP8 pool (the query groups of TC_GROUPS), where it is asked for and
-    the model's `group` (where known) is one of them."""
-    if (
-        _cuda_decode_wanted(kv_cache, device)
-        and kv_cache.dtype == FP8_DTYPE
-        and ENV.DECODE_TENSOR_CORES.value
-        and (group is None or group in TC_GROUPS)
-    ):
-        try:
-            return TensorCoreDecode(device.index or 0)
-        except CudaUnavailable as e:
-            logger.info_rank0(f"FP8 decode attention without the tensor-core kernel: {e}")
+    """The tensor-core decode kernel for this pool (FP8 or bf16; the query groups of TC_GROUPS), where it is asked
+    for and the model's `group` (where known) is one of them."""
+    if not (_cuda_decode_wanted(kv_cache, device) and ENV.DECODE_TENSOR_CORES.value):
+        return None
+    if group is not None and group not in TC_GROUPS:
+        return None
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    try:
+        return TensorCoreDecode(device.index or 0, TC_VARIANTS if fp8 else TC_BF16_VARIANTS, fp8=fp8)
+    except CudaUnavailable as e:
+        logger.info_rank0(f"decode attention without the tensor-core kernel: {e}")
     return None
 
 

@@ -5,7 +5,8 @@ bf16 or FP8 pool.
 On an H200 it reads the workload's FP8 rows 15-25% faster than the Triton kernel at every batch size, and bf16
 rows as fast or faster (docs/benchmarks.md, "Decode attention in CUDA C++"). The attention backend uses it
 where it applies (MINISGL_DECODE_CUDA; 0: the Triton kernel everywhere). `TensorCoreDecode` is decode_tc.cu's
-kernel for an FP8 pool: the same launch, the products on the tensor cores (MINISGL_DECODE_TENSOR_CORES).
+kernel for an FP8 or bf16 pool: the same launch, the products on the tensor cores, faster than both at 2, 4 and
+8 query heads a KV head (MINISGL_DECODE_TENSOR_CORES), so the engine keeps this one for 1.
 """
 
 from __future__ import annotations
@@ -159,32 +160,38 @@ class CudaDecode:
 # TC_FEW_ROWS + 1 to TC_SMALL_BATCH rows, the second for the others (measured on an H200: docs/benchmarks.md,
 # "Decode attention on the tensor cores")
 TC_VARIANTS = ((4, 3), (2, 4))
+# the same over a bf16 pool (a stage is twice an FP8 one's bytes, 3 programs an SM at most)
+TC_BF16_VARIANTS = ((3, 2), (2, 3))
 TC_FEW_ROWS = 16
 TC_SMALL_BATCH = 64
-# query heads a KV head that the engine takes decode_tc.cu for: faster than Triton's kernel and decode.cu's there
+# query heads a KV head that the engine takes decode_tc.cu for, FP8 and bf16 pools: faster than Triton's kernel and
+# decode.cu's there
 TC_GROUPS = (2, 4, 8)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
-def tc_kernel_name(group: int, variant: tuple[int, int]) -> str:
+def tc_kernel_name(group: int, variant: tuple[int, int], fp8: bool = True) -> str:
     stages, min_blocks = variant
-    return f"decode_tc_fp8_g{group}_s{stages}_b{min_blocks}"
+    return f"decode_tc_{'fp8' if fp8 else 'bf16'}_g{group}_s{stages}_b{min_blocks}"
 
 
-def tc_program(variants: tuple[tuple[int, int], ...], groups: tuple[int, ...] = (1, 2, 4, 8)) -> str:
-    """decode_tc.cu with a kernel for every query group and variant asked for."""
+def tc_program(
+    variants: tuple[tuple[int, int], ...], groups: tuple[int, ...] = (1, 2, 4, 8), fp8: bool = True
+) -> str:
+    """decode_tc.cu with a kernel for every query group and variant asked for, over an FP8 or a bf16 pool."""
     lines = [source("decode_common.cuh"), source("decode_tc.cu")]
     for g in sorted(set(groups)):
         for stages, min_blocks in variants:
+            name = tc_kernel_name(g, (stages, min_blocks), fp8)
             lines.append(
-                f"DECODE_TC_KERNEL({tc_kernel_name(g, (stages, min_blocks))}, {g}, {stages}, {min_blocks})"
+                f"DECODE_TC_KERNEL({name}, {g}, {stages}, {min_blocks}, {'true' if fp8 else 'false'})"
             )
     return "\n".join(lines) + "\n"
 
 
 class TensorCoreDecode(CudaDecode):
-    """decode_tc.cu's kernels: an FP8 pool, 1, 2, 4 or 8 query heads a KV head; S = K Q^T and the weighted sum
-    of V by mma.sync (decode_tc.cu says how)."""
+    """decode_tc.cu's kernels: an FP8 (or bf16) pool, 1, 2, 4 or 8 query heads a KV head; S = K Q^T and the
+    weighted sum of V by mma.sync (decode_tc.cu says how)."""
 
     GROUPS = (1, 2, 4, 8)
 
@@ -193,22 +200,25 @@ class TensorCoreDecode(CudaDecode):
         device_index: int = 0,
         variants: tuple[tuple[int, int], ...] = TC_VARIANTS,
         groups: tuple[int, ...] = TC_GROUPS,
+        fp8: bool = True,
     ) -> None:
-        self.fp8 = True
+        self.fp8 = fp8
         self.variants = variants
         self.groups = groups
         # only the groups it is asked for: NVRTC takes about 0.4 s a kernel on a 2-core machine (once: the cubin
         # is cached)
-        self.module = load_module(tc_program(variants, groups), "decode_tc.cu", device_index)
+        name = f"decode_tc_{'fp8' if fp8 else 'bf16'}.cu"
+        self.module = load_module(tc_program(variants, groups, fp8), name, device_index)
         for g in groups:
             for v in variants:
-                self.module.allow_shared(tc_kernel_name(g, v), self.shared_bytes(v))
+                self.module.allow_shared(tc_kernel_name(g, v, fp8), self.shared_bytes(v))
 
     def kernel(self, group: int, variant: tuple[int, int]) -> str:
-        return tc_kernel_name(group, variant)
+        return tc_kernel_name(group, variant, self.fp8)
 
     def shared_bytes(self, variant: tuple[int, int]) -> int:
-        return max(variant[0] * 4 * 4096, _JOIN_BYTES)
+        """The ring (4 warps, K and V, 16 rows of 128 or 256 bytes a stage), or the join's floats if larger."""
+        return max(variant[0] * 4 * 2 * 16 * (128 if self.fp8 else 256), _JOIN_BYTES)
 
     def variant(self, batch_size: int) -> tuple[int, int]:
         """The engine's choice: the first of `variants` from TC_FEW_ROWS + 1 to TC_SMALL_BATCH rows, else the last."""
