@@ -66,9 +66,13 @@ def _assert_error(answer: Any, param: str | None, code: str | None = None) -> No
         assert answer["error"]["code"] == code
 
 
+def _idle(m: dict[str, float]) -> bool:
+    return m["minisgl_requests_in_flight"] == 0 and m["minisgl_request_body_bytes_held"] == 0
+
+
 def _assert_idle(server: Server) -> None:
-    m = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
-    assert m["minisgl_requests_in_flight"] == 0
+    m = _wait_metrics(server, _idle)
+    assert m["minisgl_requests_in_flight"] == 0 and m["minisgl_request_body_bytes_held"] == 0
     assert m["sglang:num_running_reqs"] == 0 and m["sglang:num_queue_reqs"] == 0
     assert m["minisgl_kv_pages_held"] == 0
 
@@ -461,7 +465,7 @@ def test_an_unexpected_exception_is_a_json_500_that_leaks_nothing(caplog: pytest
     from minisgl.server.client import ServeInfo
     from minisgl.server.guard import HttpLimits
 
-    app = create_app(ServeInfo("m", None, 512), _FailingClient, HttpLimits(1000, 5.0))  # type: ignore[arg-type, return-value]
+    app = create_app(ServeInfo("m", None, 512), _FailingClient, HttpLimits(1000, 5.0, 1000))  # type: ignore[arg-type, return-value]
     with TestClient(app, raise_server_exceptions=False) as http_client, caplog.at_level(logging.ERROR):
         resp = http_client.post("/v1/completions", json={"prompt": "a"})
         too_large = http_client.post("/v1/completions", json={"prompt": "a" * 1000})
@@ -737,7 +741,7 @@ def test_a_grammar_or_a_large_body_is_read_off_the_event_loop(monkeypatch: pytes
 
     monkeypatch.setattr(protocol, "check_grammar", recording_check)
     client = _ThreadRecordingClient()
-    app = create_app(ServeInfo("m", None, 512), lambda *a, **k: client, HttpLimits(1 << 22, 5.0))  # type: ignore[arg-type, return-value]
+    app = create_app(ServeInfo("m", None, 512), lambda *a, **k: client, HttpLimits(1 << 22, 5.0, 1 << 22))  # type: ignore[arg-type, return-value]
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     with TestClient(app, raise_server_exceptions=False) as http:
         for body, off in [

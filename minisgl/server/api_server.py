@@ -29,7 +29,7 @@ from minisgl.message.frontend import TokenizeMsg, TokenLogprob, TokensMsg, Token
 from minisgl.server.auth import ApiKeyGuard
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
 from minisgl.server.coalesce import coalesce
-from minisgl.server.guard import HttpLimits, RequestGuard
+from minisgl.server.guard import BodyBudget, HttpLimits, RequestGuard, release_body
 from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -572,7 +572,8 @@ def create_app(
         client.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
-    app.add_middleware(RequestGuard, limits=http)
+    bodies = app.state.bodies = BodyBudget(http.max_request_bytes_in_flight)
+    app.add_middleware(RequestGuard, limits=http, budget=bodies)
     if api_key is not None:
         # added last, so it runs first: a request without the key is refused before its body is read
         app.add_middleware(ApiKeyGuard, api_key=api_key)
@@ -647,7 +648,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(client_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        text = client_of(request).metrics.render(body_bytes_held=bodies.held)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def model_entry(name: str) -> dict[str, Any]:
         return {
@@ -701,8 +703,7 @@ def create_app(
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await request.body()
-        req = await off_loop(lambda b: parse_body(TokenizeRequest, b, info.max_seq_len), body)
+        req = await read_request(request, lambda b: parse_body(TokenizeRequest, b, info.max_seq_len))
         model_of(req.model)
         reply = await tokens(request, req.to_msg(), "prompt" if req.prompt is not None else "messages")
         # a JSONResponse as it is: FastAPI's encoder walks a batch's ids in Python, on the event loop
@@ -711,13 +712,13 @@ def create_app(
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = await off_loop(lambda b: parse_body(DetokenizeRequest, b), await request.body())
+        req = await read_request(request, lambda b: parse_body(DetokenizeRequest, b))
         model_of(req.model)
         return JSONResponse(req.response(await tokens(request, req.to_msg(), "tokens")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, *await off_loop(chat_call, await request.body()))
+        return await serve(request, *await read_request(request, chat_call))
 
     def chat_call(body: bytes) -> Call:
         req = parse_body(ChatCompletionRequest, body, info.max_seq_len)
@@ -750,7 +751,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(request, *await off_loop(completion_call, await request.body()))
+        return await serve(request, *await read_request(request, completion_call))
 
     def completion_call(body: bytes) -> Call:
         refuse_many_prompt_lists(body, "prompt")
@@ -780,7 +781,7 @@ def create_app(
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await serve(request, *await off_loop(generate_call, await request.body()))
+        return await serve(request, *await read_request(request, generate_call))
 
     def generate_call(body: bytes) -> Call:
         refuse_many_prompt_lists(body, "input_ids")
@@ -818,6 +819,16 @@ _GRAMMAR_KEYS = (
     b'"tools"',
     b'"tool_choice"',
 )
+
+
+async def read_request(request: Request, read: Callable[[bytes], R]) -> R:
+    """read(the request's body): the one way a route reads its body. The guard (server/guard.py) has read
+    it whole and hands it over as one message, kept nowhere else; once read, its bytes leave the budget of
+    bodies held, as they leave memory."""
+    try:
+        return await off_loop(read, (await request.receive())["body"])
+    finally:
+        release_body(request.scope)
 
 
 async def off_loop(read: Callable[[bytes], R], body: bytes) -> R:

@@ -50,6 +50,8 @@ class ServerArgs:
     tool_call_parser: str | None = None  # None: told by the model's chat template and architecture
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
+    # the request bodies held at once, read or being read and not yet parsed
+    max_request_bytes_in_flight: int = 256 << 20
     read_timeout: float = 30.0
     # None: no key; kept out of the repr so that a logged ServerArgs does not show it
     api_key: str | None = field(default=None, repr=False)
@@ -254,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; a larger one is refused with 413 (default: %(default)s)",
     )
     p.add_argument(
+        "--max-request-bytes-in-flight",
+        type=_positive,
+        default=ServerArgs.max_request_bytes_in_flight,
+        help="bytes of request bodies held at once, read or being read and not yet parsed; a body that "
+        "would pass it is refused with 503 and Retry-After; at least --max-request-bytes "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--read-timeout",
         type=_positive_seconds,
         default=ServerArgs.read_timeout,
@@ -280,6 +290,12 @@ def parse_args(argv: list[str]) -> ServerArgs:
     if ns.nnodes > 1 and ns.dist_init_addr is None:
         parser.error(
             "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
+        )
+    if ns.max_request_bytes_in_flight < ns.max_request_bytes:
+        parser.error(
+            f"--max-request-bytes-in-flight {ns.max_request_bytes_in_flight} is less than --max-request-bytes "
+            f"{ns.max_request_bytes}, so a body of the largest size allowed would always be refused; raise "
+            "the first or lower the second"
         )
     if ns.api_key is not None and not ns.api_key.strip():
         parser.error("--api-key is empty; pass a key, or leave the option out to serve without one")

@@ -302,7 +302,7 @@ def _serve_http(args: ServerArgs, sock: socket.socket, procs: ServerProcesses, i
         # said once the server handles its signals: Ctrl-C from here on is an orderly shutdown
         logger.info(f"minisgl is serving {info.model_name} at {url} (OpenAI API: {url}/v1)")
 
-    http = HttpLimits(args.max_request_bytes, args.read_timeout)
+    http = HttpLimits(args.max_request_bytes, args.read_timeout, args.max_request_bytes_in_flight)
     app = create_app(info, make_client, http, on_start, api_key=args.api_key)
     config = uvicorn.Config(
         app,

@@ -125,7 +125,8 @@ class Metrics:
         self._forget_before(int(now / _BUCKET_S))
         return sum(n for _, n in self._recent) / _THROUGHPUT_WINDOW_S
 
-    def render(self, now: float | None = None) -> str:
+    def render(self, now: float | None = None, body_bytes_held: int = 0) -> str:
+        """The text format; `body_bytes_held` is the HTTP front end's figure (server/guard.py BodyBudget)."""
         now = time.perf_counter() if now is None else now
         labels = f'model_name="{_escape(self.model_name)}"' if self.model_name else ""
         lines: list[str] = []
@@ -166,6 +167,13 @@ class Metrics:
         for attr, (name, help_text) in _OWN_GAUGES.items():
             one(name, "gauge", help_text, getattr(s, attr), own=True)
         one("requests_in_flight", "gauge", "requests accepted and not yet finished", self.in_flight, own=True)
+        one(
+            "request_body_bytes_held",
+            "gauge",
+            "bytes of request bodies read or being read and not yet parsed",
+            body_bytes_held,
+            own=True,
+        )
         name = f"{_OWN}requests_finished_total"
         lines += [f"# HELP {name} requests finished, by finish reason", f"# TYPE {name} counter"]
         for reason in ("stop", "length", "abort", "error"):
