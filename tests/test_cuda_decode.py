@@ -89,15 +89,18 @@ def test_a_cubin_is_compiled_once_then_read_from_the_cache(
     assert len(list((tmp_path / "cuda_kernels").glob("decode_fp8_sm_90_*.cubin"))) == 1
 
 
-@pytest.mark.parametrize("n_keys,group,spread", [(45, 2, True), (5, 1, False), (64, 8, True), (33, 4, False)])
-def test_the_tensor_core_kernels_fragment_layouts_give_attention(
-    n_keys: int, group: int, spread: bool
-) -> None:
-    """minisgl/kernel/cuda/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts."""
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("n_keys,group", [(45, 2), (5, 1), (64, 8), (33, 4)])
+def test_the_tensor_core_kernels_fragment_layouts_give_attention(n_keys: int, group: int, fp8: bool) -> None:
+    """minisgl/kernel/cuda/decode_tc.cu's per-lane index arithmetic, emulated with mma.sync's PTX layouts, with
+    the FP8 pool's V dims and the bf16 pool's."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline"))
-    from decode_tc import emulate
+    from decode_tc import dim_of, emulate
 
-    assert emulate(n_keys, group) < 1e-9
+    assert emulate(n_keys, group, fp8=fp8) < 1e-9
+    # each lane's chunks cover its dims once: g's 16 of the 128, the same set whichever pool
+    dims = sorted(dim_of(g, i, fp8) + e for g in range(8) for i in range(8) for e in (0, 1))
+    assert dims == list(range(128))
 
 
 @needs_nvrtc

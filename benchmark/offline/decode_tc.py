@@ -74,10 +74,16 @@ def _mma(a: list[list[float]], b: list[list[float]], c: list[list[float]]) -> li
     return [[out[lane // 4 + 8 * (i >= 2), 2 * (lane % 4) + (i & 1)] for i in range(4)] for lane in range(32)]
 
 
-def emulate(n_keys: int, group: int, seed: int = 0) -> float:
+def dim_of(g: int, i: int, fp8: bool) -> int:
+    """decode_tc.cu's dim_of: the output dim of row g of O^T's chunk i (row g + 8: the dim after it)."""
+    return 16 * g + 2 * i if fp8 else 8 * g + 2 * (i % 4) + 64 * (i // 4)
+
+
+def emulate(n_keys: int, group: int, seed: int = 0, fp8: bool = True) -> float:
     """decode_tc.cu's fragment arithmetic for one warp, lane by lane in float64 (its index formulas written
     out again, the mma from the PTX layouts), against plain attention: the largest absolute difference. A
-    check of the layouts on any machine; rounding is not emulated."""
+    check of the layouts on any machine, for the FP8 pool's or the bf16 pool's V dims; rounding is not
+    emulated."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -126,14 +132,13 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
         for g, t in lanes:
             s0, s1, h = 8 * t + g // 2, 8 * t + 4 + g // 2, g & 1
             pb.append([p[s0][h], p[s1][h], p[s0][2 + h], p[s1][2 + h]])
-        for i in range(8):  # O^T += V^T P^T, chunk i: rows g, g + 8 are dims 16g + 2i, 16g + 2i + 1
+        for i in range(8):  # O^T += V^T P^T, chunk i: rows g, g + 8 are dims dim_of(g, i) and the one after
             a = []
             for g, t in lanes:
-                v0, v1, v2, v3 = (
-                    row(v, kb0 + r)[16 * g : 16 * g + 16] for r in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)
-                )
-                a.append([v0[2 * i], v1[2 * i], v0[2 * i + 1], v1[2 * i + 1],
-                          v2[2 * i], v3[2 * i], v2[2 * i + 1], v3[2 * i + 1]])  # fmt: skip
+                v0, v1, v2, v3 = (row(v, kb0 + r) for r in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9))
+                dd = dim_of(g, i, fp8)
+                a.append([v0[dd], v1[dd], v0[dd + 1], v1[dd + 1],
+                          v2[dd], v3[dd], v2[dd + 1], v3[dd + 1]])  # fmt: skip
             res = _mma(a, pb, [acc[lane][i] for lane in range(32)])
             for lane in range(32):
                 acc[lane][i] = res[lane]
@@ -143,8 +148,8 @@ def emulate(n_keys: int, group: int, seed: int = 0) -> float:
             if 2 * t + c < group:
                 total = sum(l_part[4 * x + t][c] for x in range(8))
                 for i in range(8):
-                    out[2 * t + c, 16 * g + 2 * i] = acc[lane][i][c] / total
-                    out[2 * t + c, 16 * g + 2 * i + 1] = acc[lane][i][c + 2] / total
+                    out[2 * t + c, dim_of(g, i, fp8)] = acc[lane][i][c] / total
+                    out[2 * t + c, dim_of(g, i, fp8) + 1] = acc[lane][i][c + 2] / total
     s = q[:group] @ k.T
     w = 2.0 ** (s - s.max(1, keepdims=True))
     return float(np.abs(out - (w / w.sum(1, keepdims=True)) @ v).max())
@@ -267,7 +272,7 @@ def main() -> None:
         return
     if args.emulate:
         for n_keys, group in ((45, 2), (16, 1), (33, 4), (64, 8), (5, 2)):
-            err = emulate(n_keys, group)
+            err = emulate(n_keys, group, fp8=FP8)
             print(f"emulated one warp, {n_keys} keys, {group} query heads: max difference {err:.1e}")
             if err > 1e-9:
                 raise SystemExit("the fragment layouts do not give attention")
