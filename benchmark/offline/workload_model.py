@@ -2,6 +2,8 @@
 
     python benchmark/offline/workload_model.py [--order docs/results/gpu_qwen3_0.6b_decode_order_2026-12-03.json]
         [--steps docs/results/gpu_qwen3_0.6b_steps_2026-12-03.json] [--prefill-s 0.35]
+        [--tc-bf16 docs/results/gpu_decode_tc_bf16_2026-12-04.json]
+        [--tc-fp8 docs/results/gpu_decode_tc_whole_rows_engine_2026-12-04.json]
 
 Runs on any machine (no GPU): it reads two measurements of the Qwen3-0.6B shape on the workload's contexts
 halfway, by batch size, and walks the workload's 1,024 decode steps (every request decodes until its output
@@ -38,6 +40,19 @@ def rates(order_json: str, fp8: bool, ordered: bool) -> tuple[list[int], list[fl
     return [r["bs"] for r in rows], [r[key] * 1e12 for r in rows]
 
 
+def tc_rates(tc_json: str, group: int = 2) -> tuple[list[int], list[float]]:
+    """Batch sizes and the tensor-core decode kernel's read rate (`decode_tc.py --json`, the engine's slots), the
+    variant the engine takes at each batch (decode.py's TensorCoreDecode.variant)."""
+    best: dict[int, float] = {}
+    for r in json.load(open(tc_json)):
+        engine_slots = r.get("layout", "engine") == "engine"
+        # the engine's two variants: the faster of them at each measured size
+        if r.get("group") == group and engine_slots and r.get("kernel", "").startswith("tc "):
+            best[r["bs"]] = max(best.get(r["bs"], 0.0), r["tb_s"])
+    sizes = sorted(best)
+    return sizes, [best[bs] * 1e12 for bs in sizes]
+
+
 def fixed_costs(steps_json: str, order_json: str) -> tuple[list[int], list[float]]:
     """Batch sizes and the seconds of a bf16 graph step that are not attention (batch order both)."""
     steps = json.load(open(steps_json))["steps"]
@@ -70,6 +85,8 @@ def main() -> None:
     p.add_argument("--order", default="docs/results/gpu_qwen3_0.6b_decode_order_2026-12-03.json")
     p.add_argument("--steps", default="docs/results/gpu_qwen3_0.6b_steps_2026-12-03.json")
     p.add_argument("--prefill-s", type=float, default=0.35)
+    p.add_argument("--tc-bf16", default="docs/results/gpu_decode_tc_bf16_2026-12-04.json")
+    p.add_argument("--tc-fp8", default="docs/results/gpu_decode_tc_whole_rows_engine_2026-12-04.json")
     args = p.parse_args()
     prompts, out_lens = workload()
     lens, outs = np.array([len(x) for x in prompts]), np.array(out_lens)
@@ -83,11 +100,14 @@ def main() -> None:
         per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
         sizes = rates(args.order, fp8, False)[0]
         at_copy = (sizes, [copy] * len(sizes))
+        tc = tc_rates(args.tc_fp8 if fp8 else args.tc_bf16)
         cases = [
             ("batch order (as measured)", rates(args.order, fp8, False), fixed),
             ("longest first (as measured)", rates(args.order, fp8, True), fixed),
+            ("tensor-core kernel (as measured)", tc, fixed),
             ("attention at the copy rate", at_copy, fixed),
             ("longest first, the fixed cost halved", rates(args.order, fp8, True), half),
+            ("tensor-core kernel, the fixed cost halved", tc, half),
             ("attention at the copy rate, the fixed cost halved", at_copy, half),
         ]
         for name, rate, rest in cases:
