@@ -173,8 +173,18 @@ def test_a_model_whose_group_is_known_compiles_only_the_kernels_it_takes(
 
     from minisgl.attention import triton_backend
 
-    monkeypatch.setattr(triton_backend, "TensorCoreDecode", lambda *a, **k: "tensor cores")
-    monkeypatch.setattr(triton_backend, "CudaDecode", lambda *a, **k: "cuda cores")
+    asked: list[tuple[str, tuple[int, ...]]] = []
+
+    def tensor_cores(device_index: int, variants: Any, groups: tuple[int, ...], fp8: bool) -> str:
+        asked.append(("tensor cores", groups))
+        return "tensor cores"
+
+    def cuda_cores(fp8: bool, device_index: int, groups: tuple[int, ...]) -> str:
+        asked.append(("cuda cores", groups))
+        return "cuda cores"
+
+    monkeypatch.setattr(triton_backend, "TensorCoreDecode", tensor_cores)
+    monkeypatch.setattr(triton_backend, "CudaDecode", cuda_cores)
     gpu = torch.device("cuda", 0)
     built = {}
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):
@@ -191,6 +201,42 @@ def test_a_model_whose_group_is_known_compiles_only_the_kernels_it_takes(
     assert built[(bf16, 1)] == (None, "cuda cores")
     assert built[(bf16, 2)] == built[(bf16, 4)] == built[(bf16, 8)] == ("tensor cores", None)
     assert built[(bf16, 16)] == (None, None)
+    # a known group compiles that group's kernels only; an unknown one every group the module takes
+    assert ("tensor cores", (4,)) in asked and ("cuda cores", (1,)) in asked
+    assert ("tensor cores", TC_GROUPS) in asked and ("cuda cores", (1, 2)) in asked
+    assert {groups for _, groups in asked} == {(1,), (2,), (4,), (8,), TC_GROUPS, (1, 2)}
+
+
+def test_the_kernels_compiled_for_one_group_hold_every_entry_point_they_are_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real launchers built for one query group (as the engine builds them), their module faked: every kernel
+    they look up or give shared memory to is in the program they compile, and no other group's is."""
+    import re
+
+    from minisgl.kernel.cuda import decode
+
+    class Module:
+        def __init__(self, src: str) -> None:
+            self.defined = set(re.findall(r"^DECODE(?:_TC)?_KERNEL\((\w+),", src, re.M))
+            self.used: set[str] = set()
+
+        def function(self, name: str) -> None:
+            assert name in self.defined, name
+            self.used.add(name)
+
+        def allow_shared(self, name: str, size: int) -> None:
+            self.function(name)
+
+    monkeypatch.setattr(decode, "load_module", lambda src, name, device_index=0: Module(src))
+    for fp8 in (True, False):
+        variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
+        for group in TC_GROUPS:
+            tc = TensorCoreDecode(0, variants, (group,), fp8=fp8)
+            assert tc.module.used == tc.module.defined == {tc.kernel(group, v) for v in variants}  # type: ignore[attr-defined]
+        cores = CudaDecode(fp8, 0, groups=(1,))
+        assert cores.module.used == cores.module.defined  # type: ignore[attr-defined]
+        assert all("_g1_" in name for name in cores.module.defined)  # type: ignore[attr-defined]
 
 
 def test_the_engine_takes_the_tensor_core_kernel_for_the_groups_and_batches_it_is_faster_at() -> None:

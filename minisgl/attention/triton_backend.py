@@ -66,12 +66,14 @@ def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
 
 
 def _cuda_decode(kv_cache: MHAKVCache, device: torch.device, group: int | None = None) -> CudaDecode | None:
-    """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it; not
-    compiled for a model whose query heads a KV head (`group`, where known) it never takes."""
+    """The CUDA C++ decode kernel for this pool, where it applies and NVRTC and the driver can give it; for a
+    model whose query heads a KV head (`group`) are known, compiled for that group only, or not at all where it
+    never takes it."""
     if not _cuda_decode_wanted(kv_cache, device) or (group is not None and group not in CUDA_GROUPS):
         return None
     try:
-        return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0)
+        groups = CUDA_GROUPS if group is None else (group,)
+        return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0, groups=groups)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention by the Triton kernel only: {e}")
         return None
@@ -81,14 +83,17 @@ def _tensor_core_decode(
     kv_cache: MHAKVCache, device: torch.device, group: int | None = None
 ) -> TensorCoreDecode | None:
     """The tensor-core decode kernel for this pool (FP8 or bf16; the query groups of TC_GROUPS), where it is asked
-    for and the model's `group` (where known) is one of them."""
+    for and the model's `group` (where known) is one of them; then compiled for that group only (NVRTC takes
+    about 0.4 s a kernel on a 2-core machine, once a machine)."""
     if not (_cuda_decode_wanted(kv_cache, device) and ENV.DECODE_TENSOR_CORES.value):
         return None
     if group is not None and group not in TC_GROUPS:
         return None
     fp8 = kv_cache.dtype == FP8_DTYPE
     try:
-        return TensorCoreDecode(device.index or 0, TC_VARIANTS if fp8 else TC_BF16_VARIANTS, fp8=fp8)
+        variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
+        groups = TC_GROUPS if group is None else (group,)
+        return TensorCoreDecode(device.index or 0, variants, groups, fp8=fp8)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention without the tensor-core kernel: {e}")
     return None
