@@ -3,8 +3,8 @@
 # minutes. Parts (the arguments; default all):
 #   kernels  its register report; each variant checked against a float64 reference (no timing if one is
 #            off), then against Triton's and the CUDA-core kernel's outputs and times at 16-256 requests, 2 and
-#            4 query heads a KV head (DECODE_TC_VARIANTS, DECODE_TC_LAYOUTS: decode_tc.py's --variants and
-#            --layouts, default the engine's variants and slots)
+#            4 query heads a KV head (DECODE_TC_VARIANTS, DECODE_TC_LAYOUTS, DECODE_TC_POOL: decode_tc.py's
+#            --variants, --layouts and --pool, default the engine's variants and slots, FP8)
 #   ncu      Nsight Compute on each variant at 256 requests
 #   tests    the CUDA decode and FP8 cache tests on the GPU
 #   llama    the upstream workload on the Llama-3-8B shape (4 query heads a KV head) with the FP8 cache, the
@@ -29,9 +29,11 @@ for part in $parts; do
     case $part in
     kernels)
         timeout 120 python benchmark/offline/decode_tc.py --compile-only --variants "${DECODE_TC_VARIANTS:-}" \
+            --pool "${DECODE_TC_POOL:-fp8}" \
             --arch "sm_$(python -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")"
         timeout 300 python benchmark/offline/decode_tc.py --json "$OUT/decode_tc.json" \
-            --variants "${DECODE_TC_VARIANTS:-}" --layouts "${DECODE_TC_LAYOUTS:-engine}" 2>&1 | grep -v Warn | tail -150
+            --variants "${DECODE_TC_VARIANTS:-}" --layouts "${DECODE_TC_LAYOUTS:-engine}" \
+            --pool "${DECODE_TC_POOL:-fp8}" 2>&1 | grep -v Warn | tail -150
         ;;
     ncu)
         NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2> /dev/null | head -1)
