@@ -15,9 +15,9 @@
 //
 // How the rows reach the registers: each warp copies its tiles into a ring of STAGES tiles (4 KB each, 8 KB bf16)
 // in shared memory with cp.async, STAGES - 1 tiles ahead, each copy instruction whole rows (4 FP8, 2 bf16), the
-// slots read from the page table a turn before their copy; and reads its words from there. A thread's words loaded straight into
-// registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower at 128-256 requests
-// (docs/benchmarks.md, "Decode attention on the tensor cores").
+// slots read from the page table a turn before their copy; and reads its words from there. A thread's words
+// loaded straight into registers a tile ahead kept a third as many bytes in flight an SM and read 12-15% slower
+// at 128-256 requests (docs/benchmarks.md, "Decode attention on the tensor cores").
 // decode_common.cuh comes before it (its types, bf16 conversions and the output write).
 
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
@@ -108,7 +108,8 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// the row lane L copies in copy i of a tile (each copy instruction whole rows: 4 of FP8, 2 of bf16) and its word
+// the row lane L copies in copy i of a tile (each copy instruction whole rows: 4 of FP8, 2 of bf16); its word in
+// the row is L % WORDS
 template <bool FP8>
 __device__ __forceinline__ int copy_row(int i) {
     return threadIdx.x % 32 / Pool<FP8>::WORDS + 32 / Pool<FP8>::WORDS * i;
