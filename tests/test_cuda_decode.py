@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -284,6 +285,70 @@ def test_the_kernel_is_asked_for_only_where_it_applies() -> None:
     assert not applies(odd[:, : 4 * 128].as_strided((3, 4, 128), (4 * 128 + 4, 129, 1)), k)
 
 
+@dataclass
+class ReferenceCase:
+    """A decode batch over a paged pool and its float64 reference (`reference_case`)."""
+
+    lens: list[int]
+    q: (
+        torch.Tensor
+    )  # [B, Hq, 128] bf16, the query part of packed q|k|v rows (not contiguous, as the engine has it)
+    k: torch.Tensor  # the pool as the kernel reads it: FP8 or bf16
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # an FP8 pool's scales, else None
+    v_scale: torch.Tensor | None
+    table: torch.Tensor
+    rows: torch.Tensor
+    seq: torch.Tensor
+    ref: torch.Tensor  # [B, Hq, 128] float64 attention over the values the pool stands for, on the CPU
+
+    def args(self, num_splits: int, d: int = 128) -> tuple[Any, ...]:
+        """The arguments every decode kernel takes, up to the order and variant."""
+        scales = (self.k_scale, self.v_scale)
+        return (self.q, self.k, self.v, self.table, self.rows, self.seq, num_splits, d**-0.5, *scales)
+
+
+def reference_case(
+    lens: list[int], group: int, seed: int, fp8: bool, hk: int = 2, d: int = 128
+) -> ReferenceCase:
+    """Requests of `lens` tokens on shuffled pages (K three times V's spread), an FP8 pool (scales 0.5 and 0.25)
+    or a bf16 one, `group` query heads a KV head, and the reference over the same stored values."""
+    from test_triton_kernels import fp8_pool, paged_pool, reference_attention
+
+    hq = group * hk
+    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=seed)
+    if fp8:
+        kc, vc, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
+    else:
+        kc, vc, ks, vs = (k * 3).bfloat16(), v.bfloat16(), None, None
+        k_ref, v_ref = kc.float(), vc.float()
+    qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device=k.device).bfloat16()
+    q = qkv[:, : hq * d].view(len(lens), hq, d)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=k.device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=k.device)
+    ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
+    return ReferenceCase(lens, q, kc, vc, ks, vs, table, rows, seq, ref)
+
+
+def test_a_reference_case_holds_the_pool_the_kernels_read_and_its_reference() -> None:
+    """The case the GPU tests and decode_tc.py's check build, on any device: its q strides as the engine's, its
+    pool's dtype, and a reference equal to attention over the stored values."""
+    pytest.importorskip("triton")
+    for fp8 in (True, False):
+        c = reference_case([1, 17, 40], 2, 3, fp8)
+        assert c.k.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16) and (c.k_scale is None) != fp8
+        assert c.q.shape == (3, 4, 128) and not c.q.is_contiguous() and c.ref.shape == c.q.shape
+        scale = 0.5 if fp8 else 1.0
+        for b, n in enumerate(c.lens):
+            slots = c.table[b, :n].long().cpu()
+            keys = c.k[slots].float().cpu() * scale  # [n, 2, 128]
+            for h in range(4):
+                s = keys[:, h // 2] @ c.q[b, h].float().cpu() * 128**-0.5
+                vals = c.v[slots].float().cpu()[:, h // 2] * (0.25 if fp8 else 1.0)
+                want = torch.softmax(s.double(), 0) @ vals.double()
+                assert torch.allclose(c.ref[b, h].double(), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 @pytest.mark.parametrize("num_splits,ordered", [(1, False), (3, True), (16, False)])
 @pytest.mark.parametrize("group", ALL_GROUPS)
@@ -293,33 +358,18 @@ def test_the_kernel_is_asked_for_only_where_it_applies() -> None:
 def test_the_kernel_attends_as_a_float64_reference(
     fp8: bool, group: int, num_splits: int, ordered: bool, variant: tuple[int, int]
 ) -> None:
-    from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
+    from test_triton_kernels import rel_err
 
     from minisgl.kernel.attention import decode_order
 
     # contexts shorter than a step of the kernel, than a split, empty splits (16 of 5 keys), and long ones
-    lens, hk, d = [1, 5, 37, 300, 129, 1000, 64], 2, 128
-    hq = group * hk
-    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + num_splits)
-    scales: tuple[Any, ...] = (None, None)
-    if fp8:
-        k, v, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
-        scales = (ks, vs)
-    else:
-        k, v = k.bfloat16(), v.bfloat16()
-        k_ref, v_ref = k.float(), v.float()
-    # q as the engine has it: the query part of a packed q|k|v row, not contiguous
-    qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
-    q = qkv[:, : hq * d].view(len(lens), hq, d)
-    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
+    c = reference_case([1, 5, 37, 300, 129, 1000, 64], group, group + num_splits, fp8)
+    order = torch.tensor(decode_order(c.lens), dtype=torch.int32, device="cuda") if ordered else None
     kernel = _kernels(fp8)
-    assert kernel.applies(q, k)
-    out = kernel(q, k, v, table, rows, seq, num_splits, d**-0.5, *scales, order, variant)
-    ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
-    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
-    assert rel_err(out.float().cpu(), ref) < 8e-3  # bf16 output rounding: 2**-9 relative
+    assert kernel.applies(c.q, c.k)
+    out = kernel(*c.args(num_splits), order, variant)
+    assert out.dtype == torch.bfloat16 and out.shape == c.q.shape
+    assert rel_err(out.float().cpu(), c.ref) < 8e-3  # bf16 output rounding: 2**-9 relative
 
 
 @pytest.mark.parametrize("variant", [0, 1])
@@ -333,31 +383,19 @@ def test_the_tensor_core_kernel_attends_as_a_float64_reference(
 ) -> None:
     """Contexts shorter than a tile (16 keys), than a warp's share, empty splits, and long ones; an FP8 pool and a
     bf16 one, each variant the engine takes."""
-    from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
+    from test_triton_kernels import rel_err
 
     from minisgl.kernel.attention import decode_order
 
-    lens, hk, d = [1, 5, 37, 300, 129, 1000, 64, 16], 2, 128
-    hq = group * hk
-    k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + num_splits)
-    if fp8:
-        kc, vc, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
-    else:
-        kc, vc, ks, vs = (k * 3).bfloat16(), v.bfloat16(), None, None
-        k_ref, v_ref = kc.float(), vc.float()
-    qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
-    q = qkv[:, : hq * d].view(len(lens), hq, d)
-    rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda") if ordered else None
+    c = reference_case([1, 5, 37, 300, 129, 1000, 64, 16], group, group + num_splits, fp8)
+    order = torch.tensor(decode_order(c.lens), dtype=torch.int32, device="cuda") if ordered else None
     kernel = _tensor_cores(fp8)
-    other = kc.bfloat16() if fp8 else kc.to(torch.float8_e4m3fn)
-    assert kernel.applies(q, kc) and not kernel.applies(q, other)
-    out = kernel(q, kc, vc, table, rows, seq, num_splits, d**-0.5, ks, vs, order, kernel.variants[variant])
-    ref = reference_attention(q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens))
-    assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
+    other = c.k.bfloat16() if fp8 else c.k.to(torch.float8_e4m3fn)
+    assert kernel.applies(c.q, c.k) and not kernel.applies(c.q, other)
+    out = kernel(*c.args(num_splits), order, kernel.variants[variant])
+    assert out.dtype == torch.bfloat16 and out.shape == c.q.shape
     # f16 (FP8 pool) or bf16 products and the bf16 output: within 2**-7 relative
-    assert rel_err(out.float().cpu(), ref) < 8e-3
+    assert rel_err(out.float().cpu(), c.ref) < 8e-3
 
 
 @functools.cache

@@ -164,30 +164,16 @@ def tensor_core_kernels() -> Any:
 
 def check_reference(tc: Any) -> float:
     """The largest relative error against a float64 reference over small cases, every variant; raises past 8e-3."""
-    import torch
-    from test_triton_kernels import fp8_pool, paged_pool, reference_attention, rel_err
+    from test_cuda_decode import reference_case
+    from test_triton_kernels import rel_err
 
     worst = 0.0
     for group in (1, 2, 4, 8):
         for splits in (1, 3, 16):
-            lens, hk, d = [1, 5, 37, 300, 129, 1000, 64, 16], 2, 128
-            hq = group * hk
-            k, v, table = paged_pool(lens, hk, d, 1, torch.float32, seed=group + splits)
-            if FP8:
-                k8, v8, ks, vs, k_ref, v_ref = fp8_pool(k * 3, v, 0.5, 0.25)
-            else:  # the bf16 pool, and its values as the reference's
-                k8, v8, ks, vs = (k * 3).bfloat16(), v.bfloat16(), None, None
-                k_ref, v_ref = k8.float(), v8.float()
-            qkv = torch.randn(len(lens), (hq + 2 * hk) * d, device="cuda").bfloat16()
-            q = qkv[:, : hq * d].view(len(lens), hq, d)
-            rows = torch.arange(len(lens), dtype=torch.int32, device="cuda")
-            seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            ref = reference_attention(
-                q.float().cpu(), k_ref.cpu(), v_ref.cpu(), table.cpu(), lens, [1] * len(lens)
-            )
+            c = reference_case([1, 5, 37, 300, 129, 1000, 64, 16], group, group + splits, FP8)
             for variant in tc.variants:
-                out = tc(q, k8, v8, table, rows, seq, splits, d**-0.5, ks, vs, None, variant)
-                err = rel_err(out.float().cpu(), ref)
+                out = tc(*c.args(splits), None, variant)
+                err = rel_err(out.float().cpu(), c.ref)
                 print(
                     f"reference check G={group} splits={splits} variant {variant}: relative error {err:.2e}"
                 )

@@ -71,8 +71,8 @@ def _cuda_decode(kv_cache: MHAKVCache, device: torch.device, group: int | None =
     never takes it."""
     if not _cuda_decode_wanted(kv_cache, device) or (group is not None and group not in CUDA_GROUPS):
         return None
+    groups = CUDA_GROUPS if group is None else (group,)
     try:
-        groups = CUDA_GROUPS if group is None else (group,)
         return CudaDecode(kv_cache.dtype == FP8_DTYPE, device.index or 0, groups=groups)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention by the Triton kernel only: {e}")
@@ -90,9 +90,9 @@ def _tensor_core_decode(
     if group is not None and group not in TC_GROUPS:
         return None
     fp8 = kv_cache.dtype == FP8_DTYPE
+    variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
+    groups = TC_GROUPS if group is None else (group,)
     try:
-        variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
-        groups = TC_GROUPS if group is None else (group,)
         return TensorCoreDecode(device.index or 0, variants, groups, fp8=fp8)
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention without the tensor-core kernel: {e}")

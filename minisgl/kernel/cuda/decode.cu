@@ -61,13 +61,7 @@ __device__ __forceinline__ void widen(const Row<FP8, N>& r, float* f) {
 // a thread 128 / LANES dims.
 // Scores are kept in base 2: q is multiplied by sm_scale * log2(e) (and the FP8 pool's K scale) once.
 template <int G, int U, int LANES, bool FP8>
-__device__ __forceinline__ void decode_body(
-    const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
-    float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
-    const int* __restrict__ Rows, const int* __restrict__ SeqLens, const int* __restrict__ Order,
-    const float* __restrict__ KScale, const float* __restrict__ VScale, long long stride_qt, long long stride_qh,
-    long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,
-    int num_qo_heads, int num_splits, float qk_scale) {
+__device__ __forceinline__ void decode_body(DECODE_PARAMS) {
     constexpr int D = 128, DPT = D / LANES, GROUPS = 128 / LANES, STEP = GROUPS * U, ES = FP8 ? 1 : 2;
     const int kvh = blockIdx.x;
     const int b = Order != nullptr ? Order[blockIdx.y] : blockIdx.y;
@@ -198,14 +192,7 @@ __device__ __forceinline__ void decode_body(
     }
 }
 
-#define DECODE_KERNEL(NAME, G, U, LANES, FP8)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
-        const bf16_t* Q, const char* K, const char* V, bf16_t* Out, float* MidO, float* MidLse,                \
-        const int* PageTable, const int* Rows, const int* SeqLens, const int* Order, const float* KScale,      \
-        const float* VScale, long long stride_qt, long long stride_qh, long long stride_kt, long long stride_kh, \
-        long long stride_pt, long long stride_ot, long long stride_oh, int num_qo_heads, int num_splits,       \
-        float qk_scale) {                                                                                      \
-        decode_body<G, U, LANES, FP8>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,    \
-                               stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh,    \
-                               num_qo_heads, num_splits, qk_scale);                                            \
+#define DECODE_KERNEL(NAME, G, U, LANES, FP8)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) NAME(DECODE_PARAMS) {                                    \
+        decode_body<G, U, LANES, FP8>(DECODE_ARGS);                                                            \
     }

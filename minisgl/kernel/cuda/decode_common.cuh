@@ -1,5 +1,5 @@
 // What decode.cu and decode_tc.cu share, put before each of them by minisgl/kernel/cuda/decode.py: the types,
-// bf16 conversions, and the write of one output dim once a program's states are joined.
+// bf16 conversions, the kernels' arguments, and the write of one output dim once a program's states are joined.
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 #ifndef INFINITY
@@ -28,3 +28,16 @@ __device__ __forceinline__ void write_dim(bf16_t* Out, float* MidO, float* MidLs
         if (d == 0) MidLse[at] = sum > 0.0f ? mx + log2f(sum) : -INFINITY;
     }
 }
+
+// every decode kernel's arguments, in the order minisgl/kernel/cuda/decode.py's launcher passes them (strides in
+// elements; KScale and VScale an FP8 pool's, else null), and their names to hand them on
+#define DECODE_PARAMS                                                                                               \
+    const bf16_t *__restrict__ Q, const char *__restrict__ K, const char *__restrict__ V, bf16_t *__restrict__ Out, \
+        float *__restrict__ MidO, float *__restrict__ MidLse, const int *__restrict__ PageTable,                    \
+        const int *__restrict__ Rows, const int *__restrict__ SeqLens, const int *__restrict__ Order,              \
+        const float *__restrict__ KScale, const float *__restrict__ VScale, long long stride_qt, long long stride_qh, \
+        long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,    \
+        int num_qo_heads, int num_splits, float qk_scale
+#define DECODE_ARGS                                                                                                  \
+    Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale, stride_qt, stride_qh, stride_kt,    \
+        stride_kh, stride_pt, stride_ot, stride_oh, num_qo_heads, num_splits, qk_scale

@@ -341,20 +341,8 @@ __device__ __forceinline__ void join_and_write(State& st, float* smem, bf16_t* O
     }
 }
 
-// the shared memory a program takes: the ring (4 warps, K and V, 16 rows a tile), or the join's floats if larger
-__host__ __device__ constexpr int shared_bytes(int stages, bool fp8) {
-    return stages * 4 * 2 * 16 * (fp8 ? 128 : 256) > 4 * (JOIN_WARP + 16) * 4 ? stages * 4 * 2 * 16 * (fp8 ? 128 : 256)
-                                                                               : 4 * (JOIN_WARP + 16) * 4;
-}
-
 template <int G, int STAGES, bool FP8>
-__device__ __forceinline__ void decode_tc_body(
-    const bf16_t* __restrict__ Q, const char* __restrict__ K, const char* __restrict__ V, bf16_t* __restrict__ Out,
-    float* __restrict__ MidO, float* __restrict__ MidLse, const int* __restrict__ PageTable,
-    const int* __restrict__ Rows, const int* __restrict__ SeqLens, const int* __restrict__ Order,
-    const float* __restrict__ KScale, const float* __restrict__ VScale, long long stride_qt, long long stride_qh,
-    long long stride_kt, long long stride_kh, long long stride_pt, long long stride_ot, long long stride_oh,
-    int num_qo_heads, int num_splits, float qk_scale) {
+__device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
     constexpr int WARPS = 4, TILE = 16;
     extern __shared__ uint4 smem[];
     const int kvh = blockIdx.x;
@@ -443,15 +431,9 @@ __device__ __forceinline__ void decode_tc_body(
 
 // minisgl/kernel/cuda/decode.py instantiates it: G query heads a KV head, STAGES (>= 2, above), MIN_BLOCKS
 // programs an SM that ptxas must fit in the registers (1: as many registers as it likes) and the pool (FP8: true,
-// bf16: false). A program takes shared_bytes(STAGES, FP8) bytes of dynamic shared memory.
-#define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS, FP8)                                                          \
-    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(                                        \
-        const bf16_t* Q, const char* K, const char* V, bf16_t* Out, float* MidO, float* MidLse,                \
-        const int* PageTable, const int* Rows, const int* SeqLens, const int* Order, const float* KScale,      \
-        const float* VScale, long long stride_qt, long long stride_qh, long long stride_kt, long long stride_kh, \
-        long long stride_pt, long long stride_ot, long long stride_oh, int num_qo_heads, int num_splits,       \
-        float qk_scale) {                                                                                      \
-        decode_tc_body<G, STAGES, FP8>(Q, K, V, Out, MidO, MidLse, PageTable, Rows, SeqLens, Order, KScale, VScale,  \
-                                  stride_qt, stride_qh, stride_kt, stride_kh, stride_pt, stride_ot, stride_oh,  \
-                                  num_qo_heads, num_splits, qk_scale);                                         \
+// bf16: false). A program takes the dynamic shared memory decode.py's TensorCoreDecode.shared_bytes gives: the ring
+// (4 warps, K and V, 16 rows a stage), or the join's floats if larger.
+#define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS, FP8)                                                     \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(DECODE_PARAMS) {                        \
+        decode_tc_body<G, STAGES, FP8>(DECODE_ARGS);                                                           \
     }
