@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# gemm.cu's decode GEMM (minisgl/kernel/cuda/gemm.cu) on one GPU. Parts (the arguments; default all):
+#   gemm     every Qwen3-0.6B projection at 1-256 rows, each tile, split and stage count checked against a
+#            float32 product, then timed against cuBLAS (GEMM_ROWS, GEMM_MODELS: gemm_cuda.py's --rows, --models)
+#   tests    the CUDA kernel and engine tests on the GPU
+#   qwen     the upstream workload on the Qwen3-0.6B shape, bf16 cache, temperature then top-k 50 / top-p 0.9
+#   llama    the same on the Llama-3-8B shape, temperature
+# Results go to $OUT (or ./out).
+set -uo pipefail
+source benchmark/gpu_env.sh
+parts=${*:-gemm tests qwen}
+ckpt() { [ -d "/tmp/ckpt/$1" ] || python benchmark/offline/random_checkpoint.py "$1" "/tmp/ckpt/$1" > /dev/null 2>&1; }
+# run NAME MODEL ARGS...: bench.py --repeat 2 on a fresh process
+run() {
+    local name=$1 model=$2
+    shift 2
+    ckpt "$model"
+    echo "== $name"
+    timeout 200 python benchmark/offline/bench.py --model "/tmp/ckpt/$model" --device cuda --peer none --repeat 2 \
+        --json "$OUT/bench_$name.json" "$@" 2>&1 | grep -E "ready in|minisgl" | tail -3
+}
+for part in $parts; do
+    case $part in
+    gemm)
+        timeout 400 python benchmark/offline/gemm_cuda.py --json "$OUT/gemm_cuda.json" \
+            --rows "${GEMM_ROWS:-1,8,16,32,64,128,192,256}" --models "${GEMM_MODELS:-qwen3-0.6b}" 2>&1 | tail -60
+        ;;
+    tests)
+        timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py tests/test_fp8_kv.py \
+            tests/test_gpu.py tests/test_cuda_gemm.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
+        ;;
+    qwen)
+        run qwen_bf16 qwen3-0.6b
+        run qwen_bf16_topp qwen3-0.6b --top-k 50 --top-p 0.9
+        ;;
+    llama) run llama_bf16 llama3-8b ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
