@@ -2,6 +2,7 @@
 # gemm.cu's decode GEMM (minisgl/kernel/cuda/gemm.cu) on one GPU. Parts (the arguments; default all):
 #   gemm     every Qwen3-0.6B projection at 1-256 rows, each tile, split and stage count checked against a
 #            float32 product, then timed against cuBLAS (GEMM_ROWS, GEMM_MODELS: gemm_cuda.py's --rows, --models)
+#   phases   phase_cost.py: a step's weight reads as 112 kernels against phases of one persistent kernel
 #   tests    the CUDA kernel and engine tests on the GPU
 #   qwen     the upstream workload on the Qwen3-0.6B shape, bf16 cache, temperature then top-k 50 / top-p 0.9
 #   llama    the same on the Llama-3-8B shape, temperature
@@ -25,6 +26,7 @@ for part in $parts; do
         timeout 400 python benchmark/offline/gemm_cuda.py --json "$OUT/gemm_cuda.json" \
             --rows "${GEMM_ROWS:-1,8,16,32,64,128,192,256}" --models "${GEMM_MODELS:-qwen3-0.6b}" 2>&1 | tail -60
         ;;
+    phases) timeout 120 python benchmark/offline/phase_cost.py --json "$OUT/phase_cost.json" 2>&1 | tail -12 ;;
     tests)
         timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py tests/test_fp8_kv.py \
             tests/test_gpu.py tests/test_cuda_gemm.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6

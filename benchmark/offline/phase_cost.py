@@ -1,0 +1,184 @@
+"""What a decode step's chain of weight reads costs as kernels and as phases of one persistent kernel.
+
+    python benchmark/offline/phase_cost.py [--json out.json]
+
+A Qwen3-0.6B decode step reads 28 layers x (q|k|v 8 MB, o 4 MB, gate|up 12 MB, down 6 MB), 840 MB, 0.2 ms at
+the copy rate, in 112 GEMMs that take 5-8 us each whether the rows are 1 or 256 (docs/benchmarks.md, "A decode
+GEMM on the tensor cores"). Before building a persistent kernel for a layer's products, the parts of that cost,
+each timed as 112 steps in one CUDA graph (one program an SM, 256 threads, each program's share of each weight a
+contiguous run of bytes copied into shared memory with cp.async):
+- `empty`: 112 launches of a kernel that does nothing (the boundary between two kernels in a graph);
+- `barriers`: one launch of 112 barriers over the grid (a counter each program increments, then reads until it
+  holds the phase's target), nothing else;
+- `kernels`: 112 launches, each reading one weight's shares (the chain as kernels, without products);
+- `phases`: one launch, a barrier after each weight's shares are in;
+- `prefetch`: one launch, each program asking for the next weight's share before it waits at the barrier, so
+  that DRAM streams across the phases;
+- `stream`: the 840 MB read by one launch with no barrier (the access pattern's own rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from skinny_gemm import graph_ms  # noqa: E402
+
+from minisgl.kernel.cuda import load_module  # noqa: E402
+
+SOURCE = r"""
+typedef unsigned int u32;
+#define THREADS 256
+#define BUF (96 * 1024)
+
+__device__ __forceinline__ void copy16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// this program's share of a weight of `bytes` (a multiple of 16 * gridDim.x) into buffer `buf` (a share larger
+// than the buffer wraps around it: only `stream` asks for one)
+__device__ __forceinline__ void ask(const char* w, long long bytes, int buf, char* smem) {
+    const long long share = bytes / gridDim.x;
+    const char* src = w + blockIdx.x * share;
+    const u32 dst = (u32)__cvta_generic_to_shared(smem + buf * BUF);
+    for (long long i = threadIdx.x * 16; i < share; i += THREADS * 16) copy16(dst + (u32)(i % BUF), src + i);
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// a word of the share read back, so that the copy is used
+__device__ __forceinline__ void use(const char* smem, int buf, float* sink) {
+    const float v = reinterpret_cast<const float*>(smem + buf * BUF)[threadIdx.x];
+    if (v == 12345.678f) sink[blockIdx.x] = v;
+}
+
+__device__ __forceinline__ void grid_barrier(u32* counter, u32 target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1u);
+        u32 seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(counter));
+        } while (seen < target);
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void empty_kernel(float* sink) {
+    if (threadIdx.x == 1023) sink[0] = 1.0f;
+}
+
+extern "C" __global__ void barrier_kernel(u32* counter, int phases) {
+    for (int p = 0; p < phases; ++p) grid_barrier(counter, (p + 1) * gridDim.x);
+}
+
+extern "C" __global__ void read_kernel(const char* w, long long bytes, float* sink) {
+    extern __shared__ char smem[];
+    ask(w, bytes, 0, smem);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    use(smem, 0, sink);
+}
+
+// weights: `phases` pointers and byte counts; prefetch: ask for phase p + 1 before waiting on phase p's barrier
+extern "C" __global__ void chain_kernel(const char* const* ws, const long long* bytes, int phases, u32* counter,
+                                        int prefetch, int barriers, float* sink) {
+    extern __shared__ char smem[];
+    if (prefetch) ask(ws[0], bytes[0], 0, smem);
+    for (int p = 0; p < phases; ++p) {
+        if (prefetch) {
+            if (p + 1 < phases) ask(ws[p + 1], bytes[p + 1], (p + 1) % 2, smem);
+            else asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            ask(ws[p], bytes[p], p % 2, smem);
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        use(smem, p % 2, sink);
+        if (barriers) grid_barrier(counter, (p + 1) * gridDim.x);
+    }
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=28)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    mod = load_module(SOURCE, "phase_cost.cu")
+    shared = 2 * 96 * 1024
+    for name in ("read_kernel", "chain_kernel"):
+        mod.allow_shared(name, shared)
+    import ctypes
+
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    sink = torch.zeros(sms, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    # a layer's weights, bytes rounded to a multiple of the programs' 16-byte words
+    sizes = [4096 * 1024 * 2, 1024 * 2048 * 2, 6144 * 1024 * 2, 1024 * 3072 * 2]
+    sizes = [s // (16 * sms) * 16 * sms for s in sizes]
+    weights = [torch.empty(s, dtype=torch.uint8, device=dev) for _ in range(args.layers) for s in sizes]
+    for w in weights:
+        w.random_(0, 256)
+    phases = len(weights)
+    ptrs = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64, device=dev)
+    nbytes = torch.tensor([w.numel() for w in weights], dtype=torch.int64, device=dev)
+    total = sum(w.numel() for w in weights)
+    big = torch.cat([w for w in weights])[: total // (16 * sms) * 16 * sms]
+
+    def empty() -> None:
+        for _ in range(phases):
+            mod.launch("empty_kernel", (sms, 1, 1), 256, (sink.data_ptr(),), stream())
+
+    def barriers() -> None:
+        counter.zero_()
+        mod.launch("barrier_kernel", (sms, 1, 1), 256, (counter.data_ptr(), ctypes.c_int32(phases)), stream())
+
+    def kernels() -> None:
+        for w in weights:
+            args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr())
+            mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
+    def chain(prefetch: int, with_barriers: int = 1) -> None:
+        counter.zero_()
+        args_ = (
+            ptrs.data_ptr(), nbytes.data_ptr(), ctypes.c_int32(phases), counter.data_ptr(),
+            ctypes.c_int32(prefetch), ctypes.c_int32(with_barriers), sink.data_ptr(),
+        )  # fmt: skip
+        mod.launch("chain_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
+    def streamed() -> None:
+        args_ = (big.data_ptr(), ctypes.c_int64(big.numel()), sink.data_ptr())
+        # one program an SM reads 1/sms of 840 MB: more than a buffer, so in several rounds
+        mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
+    rows = {}
+    rows["empty"] = graph_ms(empty)
+    rows["barriers"] = graph_ms(barriers)
+    rows["kernels"] = graph_ms(kernels)
+    rows["phases"] = graph_ms(lambda: chain(0))
+    rows["prefetch"] = graph_ms(lambda: chain(1))
+    rows["prefetch, no barriers"] = graph_ms(lambda: chain(1, 0))
+    rows["stream"] = graph_ms(streamed)
+    floor = total / 4.2e12 * 1e3
+    print(f"{phases} steps, {total / 1e6:.0f} MB of weights, {floor:.3f} ms at 4.2 TB/s")
+    for name, ms in rows.items():
+        print(f"{name:24s} {ms:7.3f} ms  {ms * 1e3 / phases:6.2f} us a step  {total / ms / 1e9:6.2f} TB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"phases": phases, "bytes": total, "ms": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
