@@ -14,6 +14,8 @@ contiguous run of bytes copied into shared memory with cp.async):
 - `phases`: one launch, a barrier after each weight's shares are in;
 - `prefetch`: one launch, each program asking for the next weight's share before it waits at the barrier, so
   that DRAM streams across the phases;
+- `ring`: one launch, the shares streamed through a ring of 24 chunks of 8 KB asked for 23 ahead across the
+  phases (about three phases' shares in flight), a barrier when a phase's chunks are in;
 - `stream`: the 840 MB read by one launch with no barrier (the access pattern's own rate).
 """
 
@@ -108,6 +110,52 @@ extern "C" __global__ void chain_kernel(const char* const* ws, const long long* 
 }
 """
 
+RING = r"""
+#define CHUNK (8 * 1024)
+#define SLOTS 24
+
+// chunk j of the program's shares of all the weights, in phase order: (phase, offset) from the phases' sizes
+__device__ __forceinline__ void ask_chunk(const char* const* ws, const long long* bytes, int phases, int j,
+                                          char* smem) {
+    long long at = (long long)j * CHUNK;
+    int p = 0;
+    for (; p < phases; ++p) {
+        const long long share = (bytes[p] / gridDim.x + CHUNK - 1) / CHUNK * CHUNK;
+        if (at < share) break;
+        at -= share;
+    }
+    if (p < phases) {
+        const long long share = bytes[p] / gridDim.x;
+        const char* src = ws[p] + blockIdx.x * share;
+        const u32 dst = (u32)__cvta_generic_to_shared(smem + (j % SLOTS) * CHUNK);
+        for (int i = threadIdx.x * 16; i < CHUNK; i += THREADS * 16)
+            if (at + i < share) copy16(dst + i, src + at + i);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// the weights' shares streamed through a ring of SLOTS chunks, SLOTS - 1 asked ahead across the phases, a
+// barrier over the grid when a phase's chunks are in
+extern "C" __global__ void ring_kernel(const char* const* ws, const long long* bytes, int phases, u32* counter,
+                                       float* sink) {
+    extern __shared__ char smem[];
+    int j = 0;
+    for (; j < SLOTS - 1; ++j) ask_chunk(ws, bytes, phases, j, smem);
+    int next = 0;  // the next chunk to consume
+    for (int p = 0; p < phases; ++p) {
+        const int chunks = (int)((bytes[p] / gridDim.x + CHUNK - 1) / CHUNK);
+        for (int c = 0; c < chunks; ++c, ++next) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(SLOTS - 2));
+            __syncthreads();
+            ask_chunk(ws, bytes, phases, j++, smem);
+            use(smem + (next % SLOTS) * CHUNK, 0, sink);
+        }
+        grid_barrier(counter, (p + 1) * gridDim.x);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+}
+"""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -116,9 +164,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    mod = load_module(SOURCE, "phase_cost.cu")
+    mod = load_module(SOURCE + RING, "phase_cost.cu")
     shared = 2 * 96 * 1024
-    for name in ("read_kernel", "chain_kernel"):
+    for name in ("read_kernel", "chain_kernel", "ring_kernel"):
         mod.allow_shared(name, shared)
     import ctypes
 
@@ -158,6 +206,17 @@ def main() -> None:
         )  # fmt: skip
         mod.launch("chain_kernel", (sms, 1, 1), 256, args_, stream(), shared)
 
+    def ring() -> None:
+        counter.zero_()
+        args_ = (
+            ptrs.data_ptr(),
+            nbytes.data_ptr(),
+            ctypes.c_int32(phases),
+            counter.data_ptr(),
+            sink.data_ptr(),
+        )
+        mod.launch("ring_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
     def streamed() -> None:
         args_ = (big.data_ptr(), ctypes.c_int64(big.numel()), sink.data_ptr())
         # one program an SM reads 1/sms of 840 MB: more than a buffer, so in several rounds
@@ -170,6 +229,7 @@ def main() -> None:
     rows["phases"] = graph_ms(lambda: chain(0))
     rows["prefetch"] = graph_ms(lambda: chain(1))
     rows["prefetch, no barriers"] = graph_ms(lambda: chain(1, 0))
+    rows["ring"] = graph_ms(ring)
     rows["stream"] = graph_ms(streamed)
     floor = total / 4.2e12 * 1e3
     print(f"{phases} steps, {total / 1e6:.0f} MB of weights, {floor:.3f} ms at 4.2 TB/s")
