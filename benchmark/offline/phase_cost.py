@@ -114,22 +114,24 @@ RING = r"""
 #define CHUNK (8 * 1024)
 #define SLOTS 24
 
-// chunk j of the program's shares of all the weights, in phase order: (phase, offset) from the phases' sizes
-__device__ __forceinline__ void ask_chunk(const char* const* ws, const long long* bytes, int phases, int j,
-                                          char* smem) {
-    long long at = (long long)j * CHUNK;
-    int p = 0;
-    for (; p < phases; ++p) {
-        const long long share = (bytes[p] / gridDim.x + CHUNK - 1) / CHUNK * CHUNK;
-        if (at < share) break;
-        at -= share;
-    }
-    if (p < phases) {
-        const long long share = bytes[p] / gridDim.x;
-        const char* src = ws[p] + blockIdx.x * share;
+// where the program asks next: a phase and an offset in its share (the shares in phase order, each a whole
+// number of chunks)
+struct Cursor {
+    int p;
+    long long at;
+};
+
+// the chunk at the cursor into ring slot j % SLOTS (nothing past the last phase: an empty group), cursor moved on
+__device__ __forceinline__ void ask_chunk(const char* const* ws, const long long* bytes, int phases, Cursor& cur,
+                                          int j, char* smem) {
+    if (cur.p < phases) {
+        const long long share = bytes[cur.p] / gridDim.x;
+        const char* src = ws[cur.p] + blockIdx.x * share;
         const u32 dst = (u32)__cvta_generic_to_shared(smem + (j % SLOTS) * CHUNK);
         for (int i = threadIdx.x * 16; i < CHUNK; i += THREADS * 16)
-            if (at + i < share) copy16(dst + i, src + at + i);
+            if (cur.at + i < share) copy16(dst + i, src + cur.at + i);
+        cur.at += CHUNK;
+        if (cur.at >= share) cur.p += 1, cur.at = 0;
     }
     asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -139,15 +141,16 @@ __device__ __forceinline__ void ask_chunk(const char* const* ws, const long long
 extern "C" __global__ void ring_kernel(const char* const* ws, const long long* bytes, int phases, u32* counter,
                                        float* sink) {
     extern __shared__ char smem[];
+    Cursor cur = {0, 0};
     int j = 0;
-    for (; j < SLOTS - 1; ++j) ask_chunk(ws, bytes, phases, j, smem);
+    for (; j < SLOTS - 1; ++j) ask_chunk(ws, bytes, phases, cur, j, smem);
     int next = 0;  // the next chunk to consume
     for (int p = 0; p < phases; ++p) {
         const int chunks = (int)((bytes[p] / gridDim.x + CHUNK - 1) / CHUNK);
         for (int c = 0; c < chunks; ++c, ++next) {
             asm volatile("cp.async.wait_group %0;\n" ::"n"(SLOTS - 2));
             __syncthreads();
-            ask_chunk(ws, bytes, phases, j++, smem);
+            ask_chunk(ws, bytes, phases, cur, j++, smem);
             use(smem + (next % SLOTS) * CHUNK, 0, sink);
         }
         grid_barrier(counter, (p + 1) * gridDim.x);
