@@ -2,7 +2,7 @@
 
     python benchmark/offline/phase_cost.py [--json out.json]
 
-A Qwen3-0.6B decode step reads 28 layers x (q|k|v 8 MB, o 4 MB, gate|up 12 MB, down 6 MB), 840 MB, 0.2 ms at
+A Qwen3-0.6B decode step reads 28 layers x (q|k|v 8.4 MB, o 4.2, gate|up 12.6, down 6.3), 881 MB, 0.21 ms at
 the copy rate, in 112 GEMMs that take 5-8 us each whether the rows are 1 or 256 (docs/benchmarks.md, "A decode
 GEMM on the tensor cores"). Before building a persistent kernel for a layer's products, the parts of that cost,
 each timed as 112 steps in one CUDA graph (one program an SM, 256 threads, each program's share of each weight a
@@ -16,7 +16,7 @@ contiguous run of bytes copied into shared memory with cp.async):
   that DRAM streams across the phases;
 - `ring`: one launch, the shares streamed through a ring of 24 chunks of 8 KB asked for 23 ahead across the
   phases (about three phases' shares in flight), a barrier when a phase's chunks are in;
-- `stream`: the 840 MB read by one launch with no barrier (the access pattern's own rate).
+- `stream`: the 881 MB read by one launch with no barrier (the access pattern's own rate).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main() -> None:
 
     def streamed() -> None:
         args_ = (big.data_ptr(), ctypes.c_int64(big.numel()), sink.data_ptr())
-        # one program an SM reads 1/sms of 840 MB: more than a buffer, so in several rounds
+        # one program an SM reads 1/sms of the 881 MB: more than a buffer, so in several rounds
         mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
 
     rows = {}
