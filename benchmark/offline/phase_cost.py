@@ -16,6 +16,9 @@ contiguous run of bytes copied into shared memory with cp.async):
   that DRAM streams across the phases;
 - `ring`: one launch, the shares streamed through a ring of 24 chunks of 8 KB asked for 23 ahead across the
   phases (about three phases' shares in flight), a barrier when a phase's chunks are in;
+- `waits on F`: one launch, the next weight asked for early, and instead of a barrier each program's phase waits
+  only for F programs' previous phase (spread over the grid; each sets a flag when done): what a layer kernel
+  whose phases depend on each other tile by tile would pay;
 - `stream`: the 881 MB read by one launch with no barrier (the access pattern's own rate).
 """
 
@@ -157,6 +160,35 @@ extern "C" __global__ void ring_kernel(const char* const* ws, const long long* b
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
 }
+
+// tile-by-tile dependencies instead of a barrier: a program's phase p waits only for `fanin` programs' phase
+// p - 1 (spread over the grid), each of which sets its own flag when its phase is done; the next weight asked for
+// before the wait, as in chain_kernel's prefetch
+extern "C" __global__ void local_kernel(const char* const* ws, const long long* bytes, int phases, u32* flags,
+                                        int fanin, float* sink) {
+    extern __shared__ char smem[];
+    ask(ws[0], bytes[0], 0, smem);
+    for (int p = 0; p < phases; ++p) {
+        if (p + 1 < phases) ask(ws[p + 1], bytes[p + 1], (p + 1) % 2, smem);
+        else asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        if (p > 0 && threadIdx.x < fanin) {
+            const int dep = (blockIdx.x + threadIdx.x * (gridDim.x / fanin)) % gridDim.x;
+            const u32* flag = flags + (p - 1) * gridDim.x + dep;
+            u32 seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(flag));
+            } while (seen == 0);
+        }
+        __syncthreads();
+        use(smem, p % 2, sink);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flags + p * gridDim.x + blockIdx.x), "r"(1u));
+        }
+    }
+}
 """
 
 
@@ -169,7 +201,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     mod = load_module(SOURCE + RING, "phase_cost.cu")
     shared = 2 * 96 * 1024
-    for name in ("read_kernel", "chain_kernel", "ring_kernel"):
+    for name in ("read_kernel", "chain_kernel", "ring_kernel", "local_kernel"):
         mod.allow_shared(name, shared)
     import ctypes
 
@@ -220,6 +252,16 @@ def main() -> None:
         )
         mod.launch("ring_kernel", (sms, 1, 1), 256, args_, stream(), shared)
 
+    flags = torch.zeros(phases * sms, dtype=torch.int32, device=dev)
+
+    def local(fanin: int) -> None:
+        flags.zero_()
+        args_ = (
+            ptrs.data_ptr(), nbytes.data_ptr(), ctypes.c_int32(phases), flags.data_ptr(), ctypes.c_int32(fanin),
+            sink.data_ptr(),
+        )  # fmt: skip
+        mod.launch("local_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
     def streamed() -> None:
         args_ = (big.data_ptr(), ctypes.c_int64(big.numel()), sink.data_ptr())
         # one program an SM reads 1/sms of the 881 MB: more than a buffer, so in several rounds
@@ -233,6 +275,8 @@ def main() -> None:
     rows["prefetch"] = graph_ms(lambda: chain(1))
     rows["prefetch, no barriers"] = graph_ms(lambda: chain(1, 0))
     rows["ring"] = graph_ms(ring)
+    for fanin in (1, 4, 16, sms):
+        rows[f"waits on {fanin}"] = graph_ms(lambda f=fanin: local(f))
     rows["stream"] = graph_ms(streamed)
     floor = total / 4.2e12 * 1e3
     print(f"{phases} steps, {total / 1e6:.0f} MB of weights, {floor:.3f} ms at 4.2 TB/s")
