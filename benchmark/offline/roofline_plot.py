@@ -39,13 +39,18 @@ def plot(result: dict[str, Any], path: str) -> list[tuple[int, float, float]]:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     ax.plot(sizes, [r[1] for r in rows], "o-", color="#1a73e8", label="measured (CUDA graph replay)")
     ax.plot(sizes, [r[2] for r in rows], "s--", color="#5f6368", label="floor (bytes or FLOPs)")
+    # the ratio and tick at powers of two and the largest batch: the steps measured every 16 rows above 32 would
+    # print over each other on a log axis
+    labelled = [s for s in sizes if s & (s - 1) == 0 or s == sizes[-1]]
     for bs, ms, floor in rows:
-        ax.annotate(f"{ms / floor:.2f}x", (bs, ms), textcoords="offset points", xytext=(0, 6), ha="center")
+        if bs in labelled:
+            ax.annotate(f"{ms / floor:.2f}x", (bs, ms), textcoords="offset points", xytext=(-4, 6), ha="right")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xticks(labelled, [str(s) for s in labelled])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("step time (ms)")
     ceil = result.get("ceilings", {})
