@@ -44,7 +44,9 @@ def plot(result: dict[str, Any], path: str) -> list[tuple[int, float, float]]:
     labelled = [s for s in sizes if s & (s - 1) == 0 or s == sizes[-1]]
     for bs, ms, floor in rows:
         if bs in labelled:
-            ax.annotate(f"{ms / floor:.2f}x", (bs, ms), textcoords="offset points", xytext=(-4, 6), ha="right")
+            ax.annotate(
+                f"{ms / floor:.2f}x", (bs, ms), textcoords="offset points", xytext=(-4, 6), ha="right"
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
