@@ -186,10 +186,17 @@ def check_reference(tc: Any) -> float:
 
 
 def run_batch(
-    tc: Any, cores: Any, bs: int, group: int, layout: str = "engine", d: int = 128
+    tc: Any,
+    cores: Any,
+    bs: int,
+    group: int,
+    layout: str = "engine",
+    d: int = 128,
+    more_splits: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Every kernel on the workload's contexts halfway; `layout` is kv_layout.py's slot layout, with ":hm" a
-    head-major pool (a head's slots side by side, seen through a transpose)."""
+    head-major pool (a head's slots side by side, seen through a transpose); `more_splits`: the tensor-core
+    kernels also with these split counts (the merge kernel's launch included), besides the engine's."""
     from kv_layout import decode_case, graph_us
 
     from minisgl.kernel import attention as attn
@@ -207,6 +214,12 @@ def run_batch(
     runs = {"triton": triton}
     for variant in tc.variants:
         runs[f"tc {','.join(map(str, variant))}"] = lambda variant=variant: tc(*args, order, variant)
+    for n in more_splits:
+        if n != splits:
+            other = (*args[:6], n, *args[7:])
+            for variant in tc.variants:
+                name = f"tc {','.join(map(str, variant))} /{n}"
+                runs[name] = lambda variant=variant, other=other: tc(*other, order, variant)
     if cores is not None and group in cores.groups:
         runs["CUDA cores"] = lambda: cores(*args, order=order)
     rows = []
@@ -219,7 +232,7 @@ def run_batch(
                 group=group,
                 layout=layout,
                 kernel=name,
-                splits=splits,
+                splits=int(name.rsplit("/", 1)[1]) if "/" in name else splits,
                 us=us,
                 tb_s=c.kv_bytes / us / 1e6,
                 max_diff=diff,
@@ -240,6 +253,9 @@ def main() -> None:
         "--layouts",
         default="engine",
         help="slot layouts of kv_layout.py (engine, contiguous, random, pages), ':hm' for a head-major pool",
+    )
+    p.add_argument(
+        "--splits", default="", help="split counts to time the tensor-core kernels at besides the engine's"
     )
     p.add_argument("--compile-only", action="store_true", help="compile with NVRTC and print ptxas's report")
     p.add_argument("--arch", default="sm_90", help="--compile-only's target")
@@ -272,7 +288,8 @@ def main() -> None:
     for group in (int(g) for g in args.groups.split(",")):
         for bs in (int(b) for b in args.batches.split(",")):
             for layout in args.layouts.split(","):
-                results += run_batch(tc, cores, bs, group, layout)
+                more = tuple(int(n) for n in args.splits.split(",") if n)
+                results += run_batch(tc, cores, bs, group, layout, more_splits=more)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
