@@ -11,6 +11,9 @@ contiguous run of bytes copied into shared memory with cp.async):
 - `barriers`: one launch of 112 barriers over the grid (a counter each program increments, then reads until it
   holds the phase's target), nothing else;
 - `kernels`: 112 launches, each reading one weight's shares (the chain as kernels, without products);
+- `kernels, PDL`: the same launched with programmatic dependent launch, each kernel letting the next start at once
+  and asking for its weight before it waits for the one before (`griddepcontrol`), beside the same kernel
+  launched plainly (one 96 KB buffer a program, so that two kernels' programs fit an SM);
 - `phases`: one launch, a barrier after each weight's shares are in;
 - `prefetch`: one launch, each program asking for the next weight's share before it waits at the barrier, so
   that DRAM streams across the phases;
@@ -25,6 +28,7 @@ contiguous run of bytes copied into shared memory with cp.async):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -36,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from skinny_gemm import graph_ms  # noqa: E402
 
-from minisgl.kernel.cuda import load_module  # noqa: E402
+from minisgl.kernel.cuda import CudaModule, load_module  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -87,6 +91,18 @@ extern "C" __global__ void barrier_kernel(u32* counter, int phases) {
 extern "C" __global__ void read_kernel(const char* w, long long bytes, float* sink) {
     extern __shared__ char smem[];
     ask(w, bytes, 0, smem);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    use(smem, 0, sink);
+}
+
+// read_kernel launched with programmatic dependent launch: it lets the next kernel launch at once and asks for its
+// weight (which depends on nothing) before it waits for the kernel before it, as a GEMM's activations would
+extern "C" __global__ void read_pdl_kernel(const char* w, long long bytes, float* sink) {
+    extern __shared__ char smem[];
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    ask(w, bytes, 0, smem);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
     use(smem, 0, sink);
@@ -192,6 +208,40 @@ extern "C" __global__ void local_kernel(const char* const* ws, const long long* 
 """
 
 
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte union value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch_pdl(
+    mod: CudaModule, name: str, grid: int, block: int, args: tuple, stream: int, shared: int
+) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start before the one before
+    it ends (its griddepcontrol.wait holds it where it must)."""
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+    cfg = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+    holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
+    params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+    rc = mod.driver.cuLaunchKernelEx(ctypes.byref(cfg), mod.function(name), params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA driver error {rc}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -203,7 +253,8 @@ def main() -> None:
     shared = 2 * 96 * 1024
     for name in ("read_kernel", "chain_kernel", "ring_kernel", "local_kernel"):
         mod.allow_shared(name, shared)
-    import ctypes
+    half = 96 * 1024  # one buffer: two programs of consecutive kernels fit an SM side by side
+    mod.allow_shared("read_pdl_kernel", half)
 
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     sink = torch.zeros(sms, device=dev)
@@ -232,6 +283,14 @@ def main() -> None:
         for w in weights:
             args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr())
             mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
+
+    def kernels_pdl(pdl: bool) -> None:
+        for w in weights:
+            args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr())
+            if pdl:
+                launch_pdl(mod, "read_pdl_kernel", sms, 256, args_, stream(), half)
+            else:
+                mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half)
 
     def chain(prefetch: int, with_barriers: int = 1) -> None:
         counter.zero_()
@@ -271,6 +330,8 @@ def main() -> None:
     rows["empty"] = graph_ms(empty)
     rows["barriers"] = graph_ms(barriers)
     rows["kernels"] = graph_ms(kernels)
+    rows["kernels, one buffer"] = graph_ms(lambda: kernels_pdl(False))
+    rows["kernels, one buffer, PDL"] = graph_ms(lambda: kernels_pdl(True))
     rows["phases"] = graph_ms(lambda: chain(0))
     rows["prefetch"] = graph_ms(lambda: chain(1))
     rows["prefetch, no barriers"] = graph_ms(lambda: chain(1, 0))
