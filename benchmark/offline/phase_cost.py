@@ -98,11 +98,12 @@ extern "C" __global__ void read_kernel(const char* w, long long bytes, float* si
 
 // read_kernel launched with programmatic dependent launch: it lets the next kernel launch at once and asks for its
 // weight (which depends on nothing) before it waits for the kernel before it, as a GEMM's activations would
-extern "C" __global__ void read_pdl_kernel(const char* w, long long bytes, float* sink) {
+// (wait 0: it never waits, so that with the launch programmatic, kernels overlap as far as the SMs let them)
+extern "C" __global__ void read_pdl_kernel(const char* w, long long bytes, float* sink, int wait) {
     extern __shared__ char smem[];
     asm volatile("griddepcontrol.launch_dependents;\n" ::);
     ask(w, bytes, 0, smem);
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (wait) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
     use(smem, 0, sink);
@@ -284,9 +285,9 @@ def main() -> None:
             args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr())
             mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
 
-    def kernels_pdl(pdl: bool) -> None:
+    def kernels_pdl(pdl: bool, wait: int = 1) -> None:
         for w in weights:
-            args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr())
+            args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr(), ctypes.c_int32(wait))
             if pdl:
                 launch_pdl(mod, "read_pdl_kernel", sms, 256, args_, stream(), half)
             else:
@@ -332,6 +333,7 @@ def main() -> None:
     rows["kernels"] = graph_ms(kernels)
     rows["kernels, one buffer"] = graph_ms(lambda: kernels_pdl(False))
     rows["kernels, one buffer, PDL"] = graph_ms(lambda: kernels_pdl(True))
+    rows["kernels, one buffer, PDL, no wait"] = graph_ms(lambda: kernels_pdl(True, 0))
     rows["phases"] = graph_ms(lambda: chain(0))
     rows["prefetch"] = graph_ms(lambda: chain(1))
     rows["prefetch, no barriers"] = graph_ms(lambda: chain(1, 0))
