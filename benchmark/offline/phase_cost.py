@@ -327,7 +327,35 @@ def main() -> None:
         # one program an SM reads 1/sms of the 881 MB: more than a buffer, so in several rounds
         mod.launch("read_kernel", (sms, 1, 1), 256, args_, stream(), shared)
 
+    def eager_ms(pdl: bool, wait: int, chunks: int = 16) -> float:
+        """The 881 MB read by `chunks` kernels launched eagerly (each long enough that the host keeps ahead): whether
+        programmatic launches overlap outside a graph."""
+        step = big.numel() // chunks // (16 * sms) * 16 * sms
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for i in range(chunks):
+                args_ = (
+                    big.data_ptr() + i * step,
+                    ctypes.c_int64(step),
+                    sink.data_ptr(),
+                    ctypes.c_int32(wait),
+                )
+                if pdl:
+                    launch_pdl(mod, "read_pdl_kernel", sms, 256, args_, stream(), half)
+                else:
+                    mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[2]
+
     rows = {}
+    rows["eager, 16 kernels"] = eager_ms(False, 1)
+    rows["eager, 16 kernels, PDL"] = eager_ms(True, 1)
+    rows["eager, 16 kernels, PDL, no wait"] = eager_ms(True, 0)
     rows["empty"] = graph_ms(empty)
     rows["barriers"] = graph_ms(barriers)
     rows["kernels"] = graph_ms(kernels)
