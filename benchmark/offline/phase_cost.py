@@ -356,6 +356,9 @@ def main() -> None:
     rows["eager, 16 kernels"] = eager_ms(False, 1)
     rows["eager, 16 kernels, PDL"] = eager_ms(True, 1)
     rows["eager, 16 kernels, PDL, no wait"] = eager_ms(True, 0)
+    with torch.cuda.stream(torch.cuda.Stream()):  # a created stream, not the legacy default one
+        rows["eager on a created stream, 16 kernels"] = eager_ms(False, 1)
+        rows["eager on a created stream, 16 kernels, PDL, no wait"] = eager_ms(True, 0)
     rows["empty"] = graph_ms(empty)
     rows["barriers"] = graph_ms(barriers)
     rows["kernels"] = graph_ms(kernels)
