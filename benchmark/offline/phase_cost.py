@@ -109,6 +109,26 @@ extern "C" __global__ void read_pdl_kernel(const char* w, long long bytes, float
     use(smem, 0, sink);
 }
 
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// a pair that says whether a programmatic launch starts early: the first kernel lets dependents launch, then
+// spins for `spin_ns` and writes when it began and ended; the second writes when it began
+extern "C" __global__ void spin_kernel(unsigned long long* times, long long spin_ns) {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < (unsigned long long)spin_ns) {
+    }
+    if (threadIdx.x == 0 && blockIdx.x == 0) times[0] = t0, times[1] = now_ns();
+}
+
+extern "C" __global__ void stamp_kernel(unsigned long long* times) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) times[2] = now_ns();
+}
+
 // weights: `phases` pointers and byte counts; prefetch: ask for phase p + 1 before waiting on phase p's barrier
 extern "C" __global__ void chain_kernel(const char* const* ws, const long long* bytes, int phases, u32* counter,
                                         int prefetch, int barriers, float* sink) {
@@ -352,6 +372,25 @@ def main() -> None:
             times.append(start.elapsed_time(end))
         return sorted(times)[2]
 
+    def early_start_us(pdl: bool) -> float:
+        """How long before the first kernel ended the second began (negative: after), both launched on a created
+        stream, the second programmatically or not."""
+        times = torch.zeros(3, dtype=torch.int64, device=dev)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            s_ = stream()
+            for _ in range(3):  # the last of three, each kernel loaded by then
+                mod.launch("spin_kernel", (4, 1, 1), 32, (times.data_ptr(), ctypes.c_int64(50_000)), s_)
+                if pdl:
+                    launch_pdl(mod, "stamp_kernel", 1, 32, (times.data_ptr(),), s_, 0)
+                else:
+                    mod.launch("stamp_kernel", (1, 1, 1), 32, (times.data_ptr(),), s_)
+            torch.cuda.synchronize()
+        t = times.tolist()
+        return (t[1] - t[2]) / 1e3
+
+    early = {"plain": early_start_us(False), "programmatic": early_start_us(True)}
+    print(f"the second kernel began before the first ended by: {early} us (a 50 us spin)")
+
     rows = {}
     rows["eager, 16 kernels"] = eager_ms(False, 1)
     rows["eager, 16 kernels, PDL"] = eager_ms(True, 1)
@@ -378,7 +417,7 @@ def main() -> None:
         print(f"{name:24s} {ms:7.3f} ms  {ms * 1e3 / phases:6.2f} us a step  {total / ms / 1e9:6.2f} TB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"phases": phases, "bytes": total, "ms": rows}, f, indent=1)
+            json.dump({"phases": phases, "bytes": total, "ms": rows, "early_start_us": early}, f, indent=1)
 
 
 if __name__ == "__main__":
