@@ -125,8 +125,9 @@ extern "C" __global__ void spin_kernel(unsigned long long* times, long long spin
     if (threadIdx.x == 0 && blockIdx.x == 0) times[0] = t0, times[1] = now_ns();
 }
 
-extern "C" __global__ void stamp_kernel(unsigned long long* times) {
+extern "C" __global__ void stamp_kernel(unsigned long long* times, int wait) {
     if (threadIdx.x == 0 && blockIdx.x == 0) times[2] = now_ns();
+    if (wait) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
 // weights: `phases` pointers and byte counts; prefetch: ask for phase p + 1 before waiting on phase p's barrier
@@ -372,7 +373,7 @@ def main() -> None:
             times.append(start.elapsed_time(end))
         return sorted(times)[2]
 
-    def early_start_us(pdl: bool) -> float:
+    def early_start_us(pdl: bool, wait: int = 0) -> float:
         """How long before the first kernel ended the second began (negative: after), both launched on a created
         stream, the second programmatically or not."""
         times = torch.zeros(3, dtype=torch.int64, device=dev)
@@ -380,15 +381,20 @@ def main() -> None:
             s_ = stream()
             for _ in range(3):  # the last of three, each kernel loaded by then
                 mod.launch("spin_kernel", (4, 1, 1), 32, (times.data_ptr(), ctypes.c_int64(50_000)), s_)
+                args_ = (times.data_ptr(), ctypes.c_int32(wait))
                 if pdl:
-                    launch_pdl(mod, "stamp_kernel", 1, 32, (times.data_ptr(),), s_, 0)
+                    launch_pdl(mod, "stamp_kernel", 1, 32, args_, s_, 0)
                 else:
-                    mod.launch("stamp_kernel", (1, 1, 1), 32, (times.data_ptr(),), s_)
+                    mod.launch("stamp_kernel", (1, 1, 1), 32, args_, s_)
             torch.cuda.synchronize()
         t = times.tolist()
         return (t[1] - t[2]) / 1e3
 
-    early = {"plain": early_start_us(False), "programmatic": early_start_us(True)}
+    early = {
+        "plain": early_start_us(False),
+        "programmatic": early_start_us(True),
+        "programmatic, waiting after the stamp": early_start_us(True, 1),
+    }
     print(f"the second kernel began before the first ended by: {early} us (a 50 us spin)")
 
     rows = {}
