@@ -233,11 +233,11 @@ extern "C" __global__ void local_kernel(const char* const* ws, const long long* 
 
 
 @triton.jit
-def _spin_kernel(Times, spin_ns):
+def _spin_kernel(Times, SPIN_NS: tl.constexpr):
     tl.extra.cuda.gdc_launch_dependents()
     t0 = tl.extra.cuda.globaltimer()
     t = t0
-    while t - t0 < spin_ns:
+    while t - t0 < SPIN_NS:
         t = tl.extra.cuda.globaltimer()
     if tl.program_id(0) == 0:
         tl.store(Times, t0)
@@ -255,8 +255,8 @@ def triton_early_start_us(pdl: bool) -> float:
     times = torch.zeros(3, dtype=torch.int64, device="cuda")
     with torch.cuda.stream(torch.cuda.Stream()):
         for _ in range(3):
-            _spin_kernel[(4,)](times, 50_000, num_warps=1)
-            _stamp_kernel[(1,)](times, num_warps=1, launch_pdl=pdl)
+            _spin_kernel[(4,)](times, SPIN_NS=50_000)
+            _stamp_kernel[(1,)](times, launch_pdl=pdl)
         torch.cuda.synchronize()
     t = times.tolist()
     return (t[1] - t[2]) / 1e3
