@@ -34,8 +34,6 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -232,36 +230,6 @@ extern "C" __global__ void local_kernel(const char* const* ws, const long long* 
 """
 
 
-@triton.jit
-def _spin_kernel(Times, SPIN_NS: tl.constexpr):
-    tl.extra.cuda.gdc_launch_dependents()
-    t0 = tl.extra.cuda.globaltimer()
-    t = t0
-    while t - t0 < SPIN_NS:
-        t = tl.extra.cuda.globaltimer()
-    if tl.program_id(0) == 0:
-        tl.store(Times, t0)
-        tl.store(Times + 1, t)
-
-
-@triton.jit
-def _stamp_kernel(Times):
-    tl.store(Times + 2, tl.extra.cuda.globaltimer())
-    tl.extra.cuda.gdc_wait()
-
-
-def triton_early_start_us(pdl: bool) -> float:
-    """The same check through Triton's own launcher (`launch_pdl`): whether the launcher or the machine decides."""
-    times = torch.zeros(3, dtype=torch.int64, device="cuda")
-    with torch.cuda.stream(torch.cuda.Stream()):
-        for _ in range(3):
-            _spin_kernel[(4,)](times, SPIN_NS=50_000)
-            _stamp_kernel[(1,)](times, launch_pdl=pdl)
-        torch.cuda.synchronize()
-    t = times.tolist()
-    return (t[1] - t[2]) / 1e3
-
-
 class _LaunchAttribute(ctypes.Structure):
     # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte union value
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
@@ -427,8 +395,6 @@ def main() -> None:
         "programmatic": early_start_us(True),
         "programmatic, waiting after the stamp": early_start_us(True, 1),
     }
-    early["Triton, plain"] = triton_early_start_us(False)
-    early["Triton, launch_pdl"] = triton_early_start_us(True)
     print(f"the second kernel began before the first ended by: {early} us (a 50 us spin)")
 
     rows = {}
