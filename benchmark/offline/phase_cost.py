@@ -231,8 +231,15 @@ extern "C" __global__ void local_kernel(const char* const* ws, const long long* 
 
 
 class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte union value
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte union value whose first int is the programmatic
+    # serialization flag (a field of its own: a c_char array field reads back as a copy, and writing into that copy
+    # would leave the attribute 0)
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("value_rest", ctypes.c_char * 60),
+    ]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -254,8 +261,7 @@ def launch_pdl(
 ) -> None:
     """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start before the one before
     it ends (its griddepcontrol.wait holds it where it must)."""
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
     holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
