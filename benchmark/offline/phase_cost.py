@@ -257,12 +257,19 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 def launch_pdl(
-    mod: CudaModule, name: str, grid: int, block: int, args: tuple, stream: int, shared: int
+    mod: CudaModule,
+    name: str,
+    grid: int | tuple[int, int, int],
+    block: int,
+    args: tuple,
+    stream: int,
+    shared: int,
 ) -> None:
     """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start before the one before
     it ends (its griddepcontrol.wait holds it where it must)."""
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    cfg = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+    dims = grid if isinstance(grid, tuple) else (grid, 1, 1)
+    cfg = _LaunchConfig(dims, (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
     holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
     rc = mod.driver.cuLaunchKernelEx(ctypes.byref(cfg), mod.function(name), params, None)
