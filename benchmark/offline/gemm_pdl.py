@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from phase_cost import launch_pdl  # noqa: E402
 from skinny_gemm import graph_ms  # noqa: E402
 
 from minisgl.kernel.cuda import CudaModule, load_module  # noqa: E402
@@ -89,10 +88,7 @@ def run_rows(
         )  # fmt: skip
         grid = (n // c.bn * c.split, -(-m // c.bm), 1)
         stream = torch.cuda.current_stream().cuda_stream
-        if pdl:
-            launch_pdl(mod, c.name, grid, c.wn * c.wm * 32, a, stream, c.shared)
-        else:
-            mod.launch(c.name, grid, c.wn * c.wm * 32, a, stream, c.shared)
+        mod.launch(c.name, grid, c.wn * c.wm * 32, a, stream, c.shared, programmatic=pdl)
 
     def chain(mode: str) -> None:
         for lw in weights:

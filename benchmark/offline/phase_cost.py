@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from skinny_gemm import graph_ms  # noqa: E402
 
-from minisgl.kernel.cuda import CudaModule, load_module  # noqa: E402
+from minisgl.kernel.cuda import load_module  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -230,53 +230,6 @@ extern "C" __global__ void local_kernel(const char* const* ws, const long long* 
 """
 
 
-class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: an enum id, padding to 8 bytes, a 64-byte union value whose first int is the programmatic
-    # serialization flag (a field of its own: a c_char array field reads back as a copy, and writing into that copy
-    # would leave the attribute 0)
-    _fields_ = [
-        ("id", ctypes.c_int),
-        ("pad", ctypes.c_char * 4),
-        ("value", ctypes.c_int),
-        ("value_rest", ctypes.c_char * 60),
-    ]
-
-
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttribute)),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-def launch_pdl(
-    mod: CudaModule,
-    name: str,
-    grid: int | tuple[int, int, int],
-    block: int,
-    args: tuple,
-    stream: int,
-    shared: int,
-) -> None:
-    """cuLaunchKernelEx with programmatic stream serialization allowed: the kernel may start before the one before
-    it ends (its griddepcontrol.wait holds it where it must)."""
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    dims = grid if isinstance(grid, tuple) else (grid, 1, 1)
-    cfg = _LaunchConfig(dims, (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-    holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
-    params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-    rc = mod.driver.cuLaunchKernelEx(ctypes.byref(cfg), mod.function(name), params, None)
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA driver error {rc}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -322,10 +275,7 @@ def main() -> None:
     def kernels_pdl(pdl: bool, wait: int = 1) -> None:
         for w in weights:
             args_ = (w.data_ptr(), ctypes.c_int64(w.numel()), sink.data_ptr(), ctypes.c_int32(wait))
-            if pdl:
-                launch_pdl(mod, "read_pdl_kernel", sms, 256, args_, stream(), half)
-            else:
-                mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half)
+            mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half, programmatic=pdl)
 
     def chain(prefetch: int, with_barriers: int = 1) -> None:
         counter.zero_()
@@ -377,10 +327,7 @@ def main() -> None:
                     sink.data_ptr(),
                     ctypes.c_int32(wait),
                 )
-                if pdl:
-                    launch_pdl(mod, "read_pdl_kernel", sms, 256, args_, stream(), half)
-                else:
-                    mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half)
+                mod.launch("read_pdl_kernel", (sms, 1, 1), 256, args_, stream(), half, programmatic=pdl)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -395,10 +342,7 @@ def main() -> None:
             for _ in range(3):  # the last of three, each kernel loaded by then
                 mod.launch("spin_kernel", (4, 1, 1), 32, (times.data_ptr(), ctypes.c_int64(50_000)), s_)
                 args_ = (times.data_ptr(), ctypes.c_int32(wait))
-                if pdl:
-                    launch_pdl(mod, "stamp_kernel", 1, 32, args_, s_, 0)
-                else:
-                    mod.launch("stamp_kernel", (1, 1, 1), 32, args_, s_)
+                mod.launch("stamp_kernel", (1, 1, 1), 32, args_, s_, programmatic=pdl)
             torch.cuda.synchronize()
         t = times.tolist()
         return (t[1] - t[2]) / 1e3

@@ -119,6 +119,35 @@ _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _SHARED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent of the L1 / shared total
 
 
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an enum id, padding to 8 bytes, a 64-byte union whose first int is the flag of
+    the attributes used here. The flag is a field of its own: a c_char array field reads back as a copy, and a
+    value written into that copy would leave the attribute 0."""
+
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("rest", ctypes.c_char * 60),
+    ]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class CudaModule:
     """A cubin loaded into the current CUDA context (torch's primary context: torch must have initialised
     CUDA first); its kernels launched on a torch stream."""
@@ -159,16 +188,25 @@ class CudaModule:
         args: Sequence[Any],
         stream: int,
         shared: int = 0,
+        programmatic: bool = False,
     ) -> None:
         """`args` in the kernel's order: ctypes values as they are, ints as pointers (data_ptr()); `shared`
-        bytes of dynamic shared memory a block."""
+        bytes of dynamic shared memory a block. `programmatic`: programmatic dependent launch (Hopper on), the
+        kernel may start once the kernel before it on the stream lets it (griddepcontrol.launch_dependents), and
+        must hold every read of that kernel's output behind griddepcontrol.wait."""
         holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
-        # cuLaunchKernel takes an array of pointers to each argument's value
+        # the driver takes an array of pointers to each argument's value
         params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-        rc = self.driver.cuLaunchKernel(
-            self.function(name), *grid, block, 1, 1, shared, ctypes.c_void_p(stream), params, None
-        )
-        self._check(rc, f"cuLaunchKernel({name})")
+        if not programmatic:
+            rc = self.driver.cuLaunchKernel(
+                self.function(name), *grid, block, 1, 1, shared, ctypes.c_void_p(stream), params, None
+            )
+            self._check(rc, f"cuLaunchKernel({name})")
+            return
+        attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = LaunchConfig(grid, (block, 1, 1), shared, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+        rc = self.driver.cuLaunchKernelEx(ctypes.byref(cfg), self.function(name), params, None)
+        self._check(rc, f"cuLaunchKernelEx({name})")
 
 
 def load_module(source: str, name: str, device_index: int = 0) -> CudaModule:
