@@ -286,3 +286,55 @@ def test_server_trace_follows_each_request_through_the_three_processes(
     assert any(e["name"] == "tokenize" and e["pid"] == pid["tokenizer worker"] for e in events)
     assert any(e["name"] == "detokenize" and e["pid"] == pid["tokenizer worker"] for e in events)
     assert_counters_keep_the_page_accounting(events, num_pages)
+
+
+def test_the_timeline_summary_adds_the_run_up(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], tmp_path: Any
+) -> None:
+    """benchmark/offline/trace_steps.py's timeline: the run's wall time is the device's steps plus its idle time
+    before, between and after them, on a synthetic trace with known gaps and on a real one."""
+    timeline = runpy.run_path("benchmark/offline/trace_steps.py")["timeline"]
+    device = 1 << 30
+
+    def step(name: str, ts: int, dur: int) -> Event:
+        return {
+            "ph": "X",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "pid": 1,
+            "tid": device + 1,
+            "args": {"step": ts},
+        }
+
+    answer = {"ph": "f", "name": "request", "ts": 1_000, "pid": 1, "tid": 1, "args": {"step": "answer"}}
+    events = [
+        {"ph": "X", "name": "arrival", "ts": 100, "dur": 5, "pid": 1, "tid": 1},
+        step("prefill", 150, 200),  # 50 idle before the first step
+        step("prefill", 400, 100),  # 50 idle before a prefill
+        step("decode", 530, 100),  # 30 idle before a decode
+        step("decode", 630, 300),  # back to back
+        answer,  # 70 idle after the last step
+    ]
+    t = timeline(events)
+    assert (t["prefill_steps"], t["decode_steps"]) == (2, 2)
+    assert t["wall_s"] == pytest.approx(900e-6)
+    assert t["prefill_busy_s"] == pytest.approx(300e-6) and t["decode_busy_s"] == pytest.approx(400e-6)
+    assert t["idle_before_first_step_s"] == pytest.approx(50e-6)
+    assert t["idle_before_prefill_s"] == pytest.approx(50e-6) and t["idle_before_decode_s"] == pytest.approx(
+        30e-6
+    )
+    assert t["idle_after_last_step_s"] == pytest.approx(70e-6)
+
+    path = str(tmp_path / "run.json")
+    llm = make_llm(tiny_model("llama"), max_running_req=4, trace=path)
+    llm.generate(
+        random_prompts(6, seed=2, min_len=4, max_len=40), SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    llm.shutdown()
+    events = load(path)
+    t = timeline(events)
+    assert t["prefill_steps"] + t["decode_steps"] == len(device_steps(events))
+    parts = [v for k, v in t.items() if k.endswith("_busy_s") or k.startswith("idle_")]
+    assert all(v >= 0 for v in parts)
+    assert sum(parts) == pytest.approx(t["wall_s"], abs=1e-5)

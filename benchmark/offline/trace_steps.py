@@ -2,6 +2,10 @@
 
     python benchmark/offline/trace_steps.py run.json [--buckets 16,32,64,128,192,256] [--json out.json]
 
+Then the whole run on the device's clock (`timeline`): from the first arrival (an offline run: the `generate`
+call) to the last answer, the device's time in prefill and in decode steps, and its idle time before the first
+step, between steps (by the kind of the step that follows), and after the last step.
+
 For each range of decode batch sizes: the steps in it, the host's time a step (its `decode` slice: prepare and
 launch, then its `results` slice), the device's time a step (`device_us`, CUDA events) and the period between
 the starts of consecutive steps on the device. A device that is the bound runs its steps back to back (the
@@ -86,13 +90,42 @@ def summarise(rows: list[dict[str, Any]], buckets: list[int]) -> list[dict[str, 
     return out
 
 
+def timeline(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the run's wall time is on the device: busy by step kind, idle before, between and after the steps
+    (seconds). Idle between steps is charged to the kind of the step that follows it."""
+    slices = [e for e in events if e.get("ph") == "X"]
+    arrivals = [e["ts"] for e in slices if e["name"] == "arrival"]
+    # a request's last flow point: `answer` offline, `reply` from the server
+    answers = [e["ts"] for e in events if (e.get("args") or {}).get("step") in ("answer", "reply")]
+    steps = sorted(
+        (e for e in slices if e["tid"] >= DEVICE_TID and e["name"] in ("prefill", "decode")),
+        key=lambda e: e["ts"],
+    )
+    if not arrivals or not answers or not steps:
+        return {}
+    begin, end = min(arrivals), max(answers)
+    out: dict[str, float] = defaultdict(float)
+    out["wall_s"] = end - begin
+    out["idle_before_first_step_s"] = steps[0]["ts"] - begin
+    out["idle_after_last_step_s"] = end - (steps[-1]["ts"] + steps[-1]["dur"])
+    prev_end = steps[0]["ts"]
+    for e in steps:
+        kind = e["name"]
+        out[f"{kind}_steps"] += 1
+        out[f"{kind}_busy_s"] += e["dur"]
+        out[f"idle_before_{kind}_s"] += max(0.0, e["ts"] - prev_end)
+        prev_end = e["ts"] + e["dur"]
+    return {k: v if k.endswith("_steps") else v / 1e6 for k, v in out.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--buckets", default="16,32,64,128,192,256")
     p.add_argument("--json")
     args = p.parse_args()
-    rows = step_rows(load(args.trace))
+    events = load(args.trace)
+    rows = step_rows(events)
     table = summarise(rows, sorted(int(b) for b in args.buckets.split(",")))
     print(
         f"{'batches':>9} {'steps':>6} {'host':>8} {'prepare':>8} {'launch':>8} {'device':>8} {'period':>8} {'idle':>7}"
@@ -108,10 +141,24 @@ def main() -> None:
     print(
         f"decode: {len(rows)} steps, device {total_device / 1e6:.3f} s, device periods {total_period / 1e6:.3f} s"
     )
+    whole = timeline(events)
+    if whole:
+        print(
+            f"timeline: wall {whole['wall_s']:.3f} s; device busy in prefill {whole.get('prefill_busy_s', 0.0):.3f} s "
+            f"({int(whole.get('prefill_steps', 0))} steps), in decode {whole.get('decode_busy_s', 0.0):.3f} s; idle "
+            f"before the first step {whole['idle_before_first_step_s']:.3f} s, before prefill steps "
+            f"{whole.get('idle_before_prefill_s', 0.0):.3f}, before decode steps {whole.get('idle_before_decode_s', 0.0):.3f}, "
+            f"after the last step {whole['idle_after_last_step_s']:.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"buckets": table, "device_s": total_device / 1e6, "period_s": total_period / 1e6},
+                {
+                    "buckets": table,
+                    "device_s": total_device / 1e6,
+                    "period_s": total_period / 1e6,
+                    "timeline": whole,
+                },
                 f,
                 indent=1,
             )

@@ -141,6 +141,8 @@ class _RowParams:
     packed: torch.Tensor | None
     seeds: torch.Tensor | None
     uses: tuple[bool, bool, bool]
+    # some request has a logit_bias or a min_tokens (held-back stop ids): the bias is built each step
+    biased: bool
 
 
 class Sampler:
@@ -161,7 +163,9 @@ class Sampler:
         `eos_token_ids` are held back, with each request's stop ids, until it has min_tokens tokens.
         `batch.positions` (and in a prefill `batch.last_indices`) must be on the device already."""
         args = self._prepare(batch, token_pool)
-        args.bias = self._prepare_bias(batch, eos_token_ids)
+        assert self._rows is not None
+        if self._rows.biased:
+            args.bias = self._prepare_bias(batch, eos_token_ids)
         return args
 
     def _row_params(self, batch: Batch) -> _RowParams:
@@ -198,7 +202,8 @@ class Sampler:
                 torch.float32,
             )[:, : len(params)]
             seeds = self._to([r.seed for r in reqs], torch.int64)
-        self._rows = _RowParams(list(reqs), greedy, penalised, top_logprobs, packed, seeds, uses)
+        biased = any(p.logit_bias or p.min_tokens > 0 for p in params)
+        self._rows = _RowParams(list(reqs), greedy, penalised, top_logprobs, packed, seeds, uses, biased)
         return self._rows
 
     def _prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:

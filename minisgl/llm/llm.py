@@ -15,7 +15,7 @@ from minisgl.scheduler.check import check_params
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, step_batch
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 from minisgl.utils.trace import TRACE
@@ -123,10 +123,27 @@ class LLM(Scheduler):
         return results
 
     def send_result(self, reply: list[DetokenizeMsg]) -> None:
+        # a step's messages go through the detokenizers together (one call, as the server's tokenizer worker
+        # does), each request at most once a call: a request answered twice (an abort racing a finish under
+        # overlap) has its second message in a call after the first
+        start = 0
+        while start < len(reply):
+            seen: set[int] = set()
+            end = start
+            while end < len(reply) and reply[end].uid not in seen:
+                seen.add(reply[end].uid)
+                end += 1
+            self._send_results(reply[start:end])
+            start = end
+
+    def _send_results(self, reply: list[DetokenizeMsg]) -> None:
+        """send_result for messages of distinct requests."""
+        status_map, progress = self.status_map, self._progress
+        todo: list[tuple[RequestStatus, DetokenizeMsg]] = []
         for msg in reply:
-            status = self.status_map[msg.uid]
+            status = status_map[msg.uid]
             if status.finish_reason is not None:
-                self._progress.update(msg)
+                progress.update(msg)
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
@@ -135,7 +152,9 @@ class LLM(Scheduler):
                     None if lp is None else {token: lp, **{int(t): x for t, x in top}}
                     for token, lp, _, top in msg.prompt_logprobs
                 ]
-            step = status.detokenizer.step(msg)
+            todo.append((status, msg))
+        steps = step_batch(self.tokenizer, [(status.detokenizer, msg) for status, msg in todo])
+        for (status, msg), step in zip(todo, steps):
             if step.output_token is not None:
                 status.output_ids.append(step.output_token)
                 if status.logprobs is not None and msg.logprob is not None:
@@ -146,7 +165,7 @@ class LLM(Scheduler):
                 status.finish_reason, status.error = step.finish_reason, msg.error
                 TRACE.point(msg.uid, "answer", step.finish_reason)
             # the bar last: a Ctrl-C typed on seeing it count a request finds that request finished
-            self._progress.update(msg)
+            progress.update(msg)
 
     def abort(self, uid: int) -> None:
         """Abort request `uid` of the running generate call (from a callback or another thread)."""
