@@ -19,6 +19,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.prefill_graph import PrefillGraphRunner
 from minisgl.engine.prepare import (
     ForwardInput,
+    make_decode_inputs,
     make_input_tuple,
     make_last_indices,
     make_positions,
@@ -325,9 +326,12 @@ class Engine:
         """
         self.graph_runner.pad_batch(batch)
         self.prefill_graphs.pad_batch(batch)
-        batch.positions = make_positions(batch, self.device)
-        input_mapping = make_input_tuple(batch, self.device, self.prefill_graphs.dummy_table_idx)
-        write_mapping = make_write_tuple(batch, self.device)
+        if batch.is_decode:
+            batch.positions, input_mapping, write_mapping = make_decode_inputs(batch, self.device)
+        else:
+            batch.positions = make_positions(batch, self.device)
+            input_mapping = make_input_tuple(batch, self.device, self.prefill_graphs.dummy_table_idx)
+            write_mapping = make_write_tuple(batch, self.device)
         batch.out_loc = self.page_table[input_mapping].to(torch.int64)
         prompt_args = None
         if batch.is_prefill:

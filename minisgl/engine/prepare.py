@@ -71,6 +71,21 @@ def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
     return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
+def make_decode_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, Indice2D, Indice2D]:
+    """A decode step's positions, input mapping and write mapping (what make_positions, make_input_tuple and
+    make_write_tuple give) from one host tensor and one copy: each small tensor built and copied apart cost the
+    host tens of microseconds, every step. A graph batch's padding rows come after its requests."""
+    padded, n = batch.padded_reqs, batch.size
+    rows = [r.table_idx for r in padded]
+    # no chunked request decodes: a row can decode while below its length (Req.can_decode)
+    cols = [r.device_len if r.device_len < r.max_device_len else -1 for r in batch.reqs]
+    host = torch.tensor(rows + [r.cached_len for r in padded] + cols, dtype=torch.int64)
+    packed = to_device_async(host, device)
+    p = len(padded)
+    positions = packed[p : 2 * p]
+    return positions, (packed[:p], positions), (packed[:n], packed[2 * p :])
+
+
 def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:
     _, lens = _lens(batch)
     return to_device_async(torch.cumsum(lens, 0) - 1, device)

@@ -109,13 +109,19 @@ class CacheManager:
         pages = self._take_pages(sum(k for _, _, k in needs))
         rows: list[int] = []
         cols: list[int] = []
-        at = 0
-        for idx, row, k in needs:
-            have = len(row.pages)
-            row.pages.extend(pages[at : at + k])
-            rows += [idx] * k
-            cols += range(have, have + k)
-            at += k
+        if len(pages) == len(needs):  # a page each (a decode step's usual case)
+            for (idx, row, _), page in zip(needs, pages):
+                rows.append(idx)
+                cols.append(len(row.pages))
+                row.pages.append(page)
+        else:
+            at = 0
+            for idx, row, k in needs:
+                have = len(row.pages)
+                row.pages.extend(pages[at : at + k])
+                rows += [idx] * k
+                cols += range(have, have + k)
+                at += k
         self._write_rows(rows, cols, pages)
 
     def _take_pages(self, n: int) -> list[int]:
@@ -136,12 +142,16 @@ class CacheManager:
         """page_table[rows[j], cols[j]*page_size + o] = pages[j]*page_size + o: page j of the list is page
         cols[j] of table row rows[j]."""
         ps = self.page_size
-        row_t = torch.tensor(rows, dtype=torch.int64).repeat_interleave(ps)
-        col_t = (torch.tensor(cols, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
-        slot_t = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
+        if ps == 1:  # a slot a page: the lists are the indices (one tensor built, not three and a stack)
+            host = torch.tensor([rows, cols, pages], dtype=torch.int64)
+        else:
+            row_t = torch.tensor(rows, dtype=torch.int64).repeat_interleave(ps)
+            col_t = (torch.tensor(cols, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
+            slot_t = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
+            host = torch.stack([row_t, col_t, slot_t])
         # one asynchronous copy: a decode step writes pages here every step, and a blocking copy would
         # stop the host until it lands
-        packed = to_device_async(torch.stack([row_t, col_t, slot_t]), self.device)
+        packed = to_device_async(host, self.device)
         self.page_table[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # ---- release ---------------------------------------------------------------------------
