@@ -137,3 +137,24 @@ def test_decode_all_is_the_tokenizers_own_decode(tokenizer: Any) -> None:
     rng = random.Random(7)
     seqs = [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 9))] for _ in range(50)]
     assert decode_all(tokenizer, seqs) == [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_taking_plain_tokens_apart_ends_as_stepping_them(tokenizer: Any, seed: int) -> None:
+    """The offline LLM hands a lazy detokenizer its plain tokens through take_plain and the rest through step():
+    the text and ids at the end are what step() alone gives; a streaming or stop-string detokenizer, a finishing
+    message and a message without a token are refused."""
+    rng = random.Random(900 + seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(2, 40))] + tokenizer.encode("é🙂")[:3]
+    msgs = _msgs_of(0, ids, rng.choice(["length", "stop"]))
+    stepped = IncrementalDetokenizer(tokenizer, streaming=False)
+    for m in msgs:
+        stepped.step(m)
+    taken = IncrementalDetokenizer(tokenizer, streaming=False)
+    plain = [taken.take_plain(m) for m in msgs]
+    assert plain == [not m.finished for m in msgs]  # the plain ones taken, the last (finishing) one refused
+    assert not taken.step(msgs[-1]).abort
+    assert (taken.ids, taken.text) == (stepped.ids, stepped.text)
+    assert not taken.take_plain(DetokenizeMsg(0, -1, False))
+    assert not IncrementalDetokenizer(tokenizer, streaming=True).take_plain(msgs[0])
+    assert not IncrementalDetokenizer(tokenizer, ["x"], streaming=False).take_plain(msgs[0])

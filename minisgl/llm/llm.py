@@ -126,6 +126,9 @@ class LLM(Scheduler):
         # a step's messages go through the detokenizers together (one call, as the server's tokenizer worker
         # does), each request at most once a call: a request answered twice (an abort racing a finish under
         # overlap) has its second message in a call after the first
+        if len({m.uid for m in reply}) == len(reply):
+            self._send_results(reply)
+            return
         start = 0
         while start < len(reply):
             seen: set[int] = set()
@@ -145,6 +148,13 @@ class LLM(Scheduler):
             if status.finish_reason is not None:
                 progress.update(msg)
                 continue  # the first answer stands (an abort racing a finish under overlap sends both)
+            # most of a step: a token past the first, nothing to decode or end
+            if not msg.prompt_tokens and msg.prompt_logprobs is None and status.detokenizer.take_plain(msg):
+                status.output_ids.append(msg.next_token)
+                if status.logprobs is not None and msg.logprob is not None:
+                    status.logprobs.append({msg.next_token: msg.logprob, **dict(msg.top_logprobs or [])})
+                progress.update(msg)
+                continue
             if msg.prompt_tokens:
                 status.cached_tokens = msg.cached_tokens
             if msg.prompt_logprobs is not None:

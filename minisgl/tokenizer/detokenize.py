@@ -58,6 +58,14 @@ class IncrementalDetokenizer:
         """Take one message of the scheduler for this request."""
         return step_batch(self.tokenizer, [(self, msg)])[0]
 
+    def take_plain(self, msg: DetokenizeMsg) -> bool:
+        """Take a message that needs no decoding now, as `step()` would (True): a token that ends nothing, for a
+        detokenizer that decodes at the end (offline, no stop strings). False: the message is for `step()`."""
+        if not self.lazy or msg.finished or msg.next_token < 0:
+            return False
+        self.ids.append(msg.next_token)
+        return True
+
     def add(self, token: int) -> str:
         """Take the next token; return the text that can be shown now (maybe empty)."""
         return self.step(DetokenizeMsg(-1, token, False)).text
