@@ -39,7 +39,7 @@ from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import next_pow2
-from minisgl.utils.torch_utils import pin
+from minisgl.utils.torch_utils import int_tensor, pin, to_device_async
 
 logger = init_logger(__name__)
 
@@ -140,16 +140,16 @@ class TritonAttnBackend(BaseAttnBackend):
         # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
         pad = [0] * (-len(reqs) % 4)
         if batch.is_decode:
-            table = [rows + pad, lens + pad]
+            flat, num = rows + pad + lens + pad, 2
             if self.ordered(len(reqs)):
-                table.append(decode_order(lens) + pad)
-            host = torch.tensor(table, dtype=torch.int32, pin_memory=pin(self.device))
-            packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
+                flat, num = flat + decode_order(lens) + pad, 3
+            host = int_tensor(flat, torch.int32).view(num, -1)
+            packed = to_device_async(host, self.device)[:, : len(reqs)]
             batch.attn_metadata = TritonAttnMetadata(
                 packed,
                 packed[0],
                 packed[1],
-                order=packed[2] if len(table) == 3 else None,
+                order=packed[2] if num == 3 else None,
                 num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads),
             )
             return

@@ -8,7 +8,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.engine.sample import BatchSamplingArgs
-from minisgl.utils.torch_utils import pin, to_device_async
+from minisgl.utils.torch_utils import int_tensor, pin, to_device_async
 
 Indice2D = tuple[torch.Tensor, torch.Tensor]
 
@@ -76,14 +76,16 @@ def make_decode_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor
     make_write_tuple give) from one host tensor and one copy: each small tensor built and copied apart cost the
     host tens of microseconds, every step. A graph batch's padding rows come after its requests."""
     padded, n = batch.padded_reqs, batch.size
+    p = len(padded)
+    # each part starts 16-byte aligned, as a tensor of its own would: Triton specialises pointer arguments on it
+    gap = [0] * (p % 2)
     rows = [r.table_idx for r in padded]
     # no chunked request decodes: a row can decode while below its length (Req.can_decode)
     cols = [r.device_len if r.device_len < r.max_device_len else -1 for r in batch.reqs]
-    host = torch.tensor(rows + [r.cached_len for r in padded] + cols, dtype=torch.int64)
-    packed = to_device_async(host, device)
-    p = len(padded)
-    positions = packed[p : 2 * p]
-    return positions, (packed[:p], positions), (packed[:n], packed[2 * p :])
+    packed = to_device_async(int_tensor(rows + gap + [r.cached_len for r in padded] + gap + cols), device)
+    q = p + len(gap)
+    positions = packed[q : q + p]
+    return positions, (packed[:p], positions), (packed[:n], packed[2 * q :])
 
 
 def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:

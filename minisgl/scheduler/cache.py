@@ -17,7 +17,7 @@ from minisgl.core import Req
 from minisgl.kvcache.base import BasePrefixCache, MatchResult, NaivePrefixCache
 from minisgl.scheduler.free_pages import FreePages
 from minisgl.utils.misc import align_up
-from minisgl.utils.torch_utils import to_device_async
+from minisgl.utils.torch_utils import int_tensor, to_device_async
 
 
 def create_prefix_cache(cache_type: str, page_size: int) -> BasePrefixCache:
@@ -143,7 +143,7 @@ class CacheManager:
         cols[j] of table row rows[j]."""
         ps = self.page_size
         if ps == 1:  # a slot a page: the lists are the indices (one tensor built, not three and a stack)
-            host = torch.tensor([rows, cols, pages], dtype=torch.int64)
+            host = int_tensor(rows + cols + pages).view(3, -1)
         else:
             row_t = torch.tensor(rows, dtype=torch.int64).repeat_interleave(ps)
             col_t = (torch.tensor(cols, dtype=torch.int64)[:, None] * ps + self._offsets).reshape(-1)
