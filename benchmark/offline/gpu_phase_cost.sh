@@ -27,7 +27,7 @@ for part in $parts; do
     phases) timeout 120 python benchmark/offline/phase_cost.py --json "$OUT/phase_cost.json" 2>&1 | tail -24 ;;
     gemmpdl) timeout 200 python benchmark/offline/gemm_pdl.py --json "$OUT/gemm_pdl.json" 2>&1 | tail -8 ;;
     tests)
-        timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py tests/test_fp8_kv.py \
+        timeout 300 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_cuda_decode.py tests/test_fp8_kv.py tests/test_gpu_sampling.py \
             tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
         ;;
     qwen)
