@@ -34,11 +34,9 @@ def _pad(t: torch.Tensor, n: int, value: int) -> torch.Tensor:
 def make_positions(batch: Batch, device: torch.device) -> torch.Tensor:
     """[cached_len, device_len) of every request, packed into one dimension (a prefill padded for its
     graph: position 0 for every padding token)."""
-    if batch.is_decode:  # one position a row, its cached length
-        return to_device_async(
-            torch.tensor([r.cached_len for r in batch.padded_reqs], dtype=torch.int64), device
-        )
     starts, lens = _lens(batch)
+    if batch.is_decode:
+        return to_device_async(starts, device)
     offsets = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
     pos = torch.arange(int(lens.sum())) - offsets + torch.repeat_interleave(starts, lens)
     return to_device_async(_pad(pos, batch.padded_tokens, 0), device)
@@ -63,18 +61,17 @@ def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
     the forward pass, so the value read here is exactly the new token's position.
     """
     rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device))
-    if batch.is_decode:  # no chunked request: a row can decode while below its length (Req.can_decode)
-        cols_list = [r.device_len if r.device_len < r.max_device_len else -1 for r in batch.reqs]
-    else:
-        cols_list = [r.device_len if r.can_decode else -1 for r in batch.reqs]
-    cols = torch.tensor(cols_list, dtype=torch.int64, pin_memory=pin(device))
+    cols = torch.tensor(
+        [r.device_len if r.can_decode else -1 for r in batch.reqs], dtype=torch.int64, pin_memory=pin(device)
+    )
     return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
 def make_decode_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, Indice2D, Indice2D]:
     """A decode step's positions, input mapping and write mapping (what make_positions, make_input_tuple and
-    make_write_tuple give) from one host tensor and one copy: each small tensor built and copied apart cost the
-    host tens of microseconds, every step. A graph batch's padding rows come after its requests."""
+    make_write_tuple give; the engine uses those for prefills) from one host tensor and one copy: each small
+    tensor built and copied apart cost the host tens of microseconds, every step. A graph batch's padding rows
+    come after its requests."""
     padded, n = batch.padded_reqs, batch.size
     p = len(padded)
     # each part starts 16-byte aligned, as a tensor of its own would: Triton specialises pointer arguments on it
