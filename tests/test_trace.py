@@ -326,6 +326,27 @@ def test_the_timeline_summary_adds_the_run_up(
     )
     assert t["idle_after_last_step_s"] == pytest.approx(70e-6)
 
+    # a decode step's host busy time: prepare, launch, and the results slice after the device finished the step
+    step_rows = runpy.run_path("benchmark/offline/trace_steps.py")["step_rows"]
+    args = {"step": 7, "batch_size": 3, "prepare_us": 40, "launch_us": 25, "device_us": 300}
+    rows = step_rows(
+        [
+            {"ph": "X", "name": "decode", "ts": 1_000, "dur": 65, "pid": 1, "tid": 1, "args": args},
+            {
+                "ph": "X",
+                "name": "decode",
+                "ts": 1_050,
+                "dur": 300,
+                "pid": 1,
+                "tid": device + 1,
+                "args": {"step": 7},
+            },
+            {"ph": "X", "name": "results", "ts": 1_200, "dur": 180, "pid": 1, "tid": 1, "args": {"step": 7}},
+        ]
+    )
+    assert rows[0]["results_us"] == 1_380 - 1_350  # it waited for the device until 1,350
+    assert rows[0]["host_busy_us"] == 40 + 25 + 30 and rows[0]["host_us"] == 65 + 180
+
     path = str(tmp_path / "run.json")
     llm = make_llm(tiny_model("llama"), max_running_req=4, trace=path)
     llm.generate(

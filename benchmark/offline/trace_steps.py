@@ -2,14 +2,15 @@
 
     python benchmark/offline/trace_steps.py run.json [--buckets 16,32,64,128,192,256] [--json out.json]
 
+For each range of decode batch sizes: the steps in it, the host's time a step (its `decode` slice: prepare and
+launch, then its `results` slice), the host's own work in the results slice (after the device finished the step)
+and the host's busy time (prepare, launch and that work), the device's time a step (`device_us`, CUDA events) and
+the period between the starts of consecutive steps on the device. A device that is the bound runs its steps back
+to back (the period equals its time); the gap between them is time it waited for the host to queue the next step.
+
 Then the whole run on the device's clock (`timeline`): from the first arrival (an offline run: the `generate`
 call) to the last answer, the device's time in prefill and in decode steps, and its idle time before the first
 step, between steps (by the kind of the step that follows), and after the last step.
-
-For each range of decode batch sizes: the steps in it, the host's time a step (its `decode` slice: prepare and
-launch, then its `results` slice), the device's time a step (`device_us`, CUDA events) and the period between
-the starts of consecutive steps on the device. A device that is the bound runs its steps back to back (the
-period equals its time); the gap between them is time it waited for the host to queue the next step.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def load(path: str) -> list[dict[str, Any]]:
 def step_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row a decode step: batch, host slices' microseconds, device start and time."""
     host: dict[int, dict[str, Any]] = {}
-    results: dict[int, float] = {}
-    device: dict[int, float] = {}
+    results: dict[int, tuple[float, float]] = {}  # the results slice's begin and end
+    device: dict[int, tuple[float, float]] = {}
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -40,10 +41,10 @@ def step_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if step is None:
             continue
         if e["name"] == "results":
-            results[step] = e["dur"]
+            results[step] = (e["ts"], e["ts"] + e["dur"])
         elif e["name"] == "decode":
             if e["tid"] >= DEVICE_TID:
-                device[step] = e["ts"]
+                device[step] = (e["ts"], e["ts"] + e["dur"])
             else:
                 host[step] = {"step": step, "batch": args["batch_size"], "host_us": e["dur"]} | {
                     k: args[k] for k in ("prepare_us", "launch_us", "forward_us", "device_us") if k in args
@@ -51,9 +52,16 @@ def step_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for step in sorted(host):
         r = host[step]
-        r["host_us"] += results.get(step, 0.0)
+        if step in results:
+            begin, end = results[step]
+            r["host_us"] += end - begin
+            if step in device:
+                # the results slice first waits for the device to finish the step: the rest is the host's own
+                # work, which with prepare and launch is the host's busy time a step
+                r["results_us"] = end - max(begin, device[step][1])
+                r["host_busy_us"] = r.get("prepare_us", 0.0) + r.get("launch_us", 0.0) + r["results_us"]
         if step in device:
-            r["device_ts"] = device[step]
+            r["device_ts"] = device[step][0]
         rows.append(r)
     starts = [r for r in rows if "device_ts" in r]
     for a, b in zip(starts, starts[1:]):
@@ -79,6 +87,8 @@ def summarise(rows: list[dict[str, Any]], buckets: list[int]) -> list[dict[str, 
                 "host_us": mean("host_us"),
                 "prepare_us": mean("prepare_us"),
                 "launch_us": mean("launch_us"),
+                "results_us": mean("results_us"),
+                "host_busy_us": mean("host_busy_us"),
                 "device_us": mean("device_us"),
                 "period_us": mean("period_us", timed) if timed else None,
                 "device_idle_us": (
@@ -128,13 +138,15 @@ def main() -> None:
     rows = step_rows(events)
     table = summarise(rows, sorted(int(b) for b in args.buckets.split(",")))
     print(
-        f"{'batches':>9} {'steps':>6} {'host':>8} {'prepare':>8} {'launch':>8} {'device':>8} {'period':>8} {'idle':>7}"
+        f"{'batches':>9} {'steps':>6} {'host':>8} {'prepare':>8} {'launch':>8} {'results':>8} {'busy':>8} "
+        f"{'device':>8} {'period':>8} {'idle':>7}"
     )
     for r in table:
         fmt = lambda v: f"{v:8.0f}" if v is not None else f"{'-':>8}"  # noqa: E731
         print(
             f"{r['batches']:>9} {r['steps']:6d} {fmt(r['host_us'])} {fmt(r['prepare_us'])} {fmt(r['launch_us'])} "
-            f"{fmt(r['device_us'])} {fmt(r['period_us'])} {fmt(r['device_idle_us'])[1:]}"
+            f"{fmt(r['results_us'])} {fmt(r['host_busy_us'])} {fmt(r['device_us'])} {fmt(r['period_us'])} "
+            f"{fmt(r['device_idle_us'])[1:]}"
         )
     total_device = sum(r.get("device_us", 0.0) for r in rows)
     total_period = sum(r.get("period_us", 0.0) for r in rows)
