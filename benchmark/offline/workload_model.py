@@ -4,6 +4,7 @@
         [--steps docs/results/gpu_qwen3_0.6b_steps_2026-12-03.json] [--prefill-s 0.35]
         [--tc-bf16 docs/results/gpu_decode_tc_bf16_2026-12-04.json]
         [--tc-fp8 docs/results/gpu_decode_tc_whole_rows_engine_2026-12-04.json]
+        [--host docs/results/gpu_qwen3_0.6b_host_by_batch_2026-12-04.json] [--host-run cb44088]
 
 Runs on any machine (no GPU): it reads two measurements of the Qwen3-0.6B shape on the workload's contexts
 halfway, by batch size, and walks the workload's 1,024 decode steps (every request decodes until its output
@@ -14,6 +15,9 @@ length; batch and contexts from the requests still running):
   (`roofline.py --sections steps`) less its 28 attention launches in batch order.
 Plus the prefill's GPU time (`--prefill-s`, measured 0.31-0.40 s). Each row is the predicted workload time
 and output tokens/s; the what-if rows show how far a change in one part would move it, before writing it.
+The last two columns bound each step by the host too: under the overlap loop a step takes the longer of the
+device's step and the host's busy time a step at that batch (`--host`: trace_steps.py's buckets of a traced run,
+the runs named `--host-run`, averaged).
 """
 
 from __future__ import annotations
@@ -61,6 +65,19 @@ def fixed_costs(steps_json: str, order_json: str) -> tuple[list[int], list[float
     return sizes, [steps[f"decode_bs{bs}"]["graph_step_ms"] * 1e-3 - LAYERS * attn[bs] * 1e-6 for bs in sizes]
 
 
+def host_costs(host_json: str, run: str) -> tuple[list[float], list[float]]:
+    """Batch sizes (each bucket's middle) and the host's busy seconds a decode step, averaged over the runs whose
+    name starts with `run` (trace_steps.py's `host_busy_us`)."""
+    runs = [v for k, v in json.load(open(host_json))["runs"].items() if k == run or k.startswith(run + "_")]
+    busy: dict[float, list[float]] = {}
+    for r in runs:
+        for b in r["buckets"]:
+            lo, hi = (int(x) for x in b["batches"].split("-"))
+            busy.setdefault((lo + hi) / 2, []).append(b["host_busy_us"] * 1e-6)
+    sizes = sorted(busy)
+    return sizes, [sum(busy[bs]) / len(busy[bs]) for bs in sizes]
+
+
 def predict(
     lens: np.ndarray,
     outs: np.ndarray,
@@ -68,16 +85,20 @@ def predict(
     fixed: tuple[list[int], list[float]],
     kv_bytes_per_token: int,
     prefill_s: float,
-) -> tuple[float, float, float]:
-    """(attention seconds, fixed seconds, whole workload seconds) over the decode steps."""
-    attn = rest = 0.0
+    host: tuple[list[float], list[float]] | None = None,
+) -> tuple[float, float, float, float]:
+    """(attention seconds, fixed seconds, whole workload seconds, the same with each step at least the host's
+    busy time) over the decode steps."""
+    attn = rest = bound = 0.0
     for step in range(int(outs.max())):
         running = outs > step
         bs = int(running.sum())
         kv = float((lens[running] + step).sum()) * kv_bytes_per_token
-        attn += kv / float(np.interp(bs, *rate))
-        rest += float(np.interp(bs, *fixed))
-    return attn, rest, attn + rest + prefill_s
+        a = kv / float(np.interp(bs, *rate))
+        f = float(np.interp(bs, *fixed))
+        attn, rest = attn + a, rest + f
+        bound += max(a + f, float(np.interp(bs, *host))) if host is not None else a + f
+    return attn, rest, attn + rest + prefill_s, bound + prefill_s
 
 
 def main() -> None:
@@ -87,6 +108,8 @@ def main() -> None:
     p.add_argument("--prefill-s", type=float, default=0.35)
     p.add_argument("--tc-bf16", default="docs/results/gpu_decode_tc_bf16_2026-12-04.json")
     p.add_argument("--tc-fp8", default="docs/results/gpu_decode_tc_whole_rows_engine_2026-12-04.json")
+    p.add_argument("--host", default="docs/results/gpu_qwen3_0.6b_host_by_batch_2026-12-04.json")
+    p.add_argument("--host-run", default="cb44088", help="the runs of --host whose names start with this")
     args = p.parse_args()
     prompts, out_lens = workload()
     lens, outs = np.array([len(x) for x in prompts]), np.array(out_lens)
@@ -95,7 +118,11 @@ def main() -> None:
     fixed = fixed_costs(args.steps, args.order)
     print(f"fixed cost a step (s) by batch: {dict(zip(fixed[0], (round(f * 1e3, 3) for f in fixed[1])))} ms")
     half = (fixed[0], [f / 2 for f in fixed[1]])
-    print(f"{'case':58s} {'attention':>9s} {'fixed':>7s} {'total':>7s} {'tok/s':>8s}")
+    host = host_costs(args.host, args.host_run)
+    print(f"host busy a step (s) by batch: {dict(zip(host[0], (round(h * 1e3, 3) for h in host[1])))} ms")
+    print(
+        f"{'case':58s} {'attention':>9s} {'fixed':>7s} {'total':>7s} {'tok/s':>8s} {'w/ host':>7s} {'tok/s':>8s}"
+    )
     for pool, fp8 in (("bf16", False), ("FP8", True)):
         per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
         sizes = rates(args.order, fp8, False)[0]
@@ -111,8 +138,10 @@ def main() -> None:
             ("attention at the copy rate, the fixed cost halved", at_copy, half),
         ]
         for name, rate, rest in cases:
-            a, f, t = predict(lens, outs, rate, rest, per_token, args.prefill_s)
-            print(f"{pool + ': ' + name:58s} {a:8.2f}s {f:6.2f}s {t:6.2f}s {tokens / t:8.0f}")
+            a, f, t, h = predict(lens, outs, rate, rest, per_token, args.prefill_s, host)
+            print(
+                f"{pool + ': ' + name:58s} {a:8.2f}s {f:6.2f}s {t:6.2f}s {tokens / t:8.0f} {h:6.2f}s {tokens / h:8.0f}"
+            )
 
 
 if __name__ == "__main__":
