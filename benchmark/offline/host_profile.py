@@ -24,6 +24,20 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
+def print_tables(prof: cProfile.Profile, top: int, out: str | None, name: str) -> None:
+    """The profile's `top` functions by their own time and with what they call, printed and, with `out`, written
+    there as NAME_tottime.txt and NAME_cumulative.txt."""
+    for sort in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
+        text = buf.getvalue()
+        print(f"== by {sort}\n{text}")
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, f"{name}_{sort}.txt"), "w") as f:
+                f.write(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint folder (default: the embedded default model)")
@@ -59,16 +73,7 @@ def main() -> None:
     prof.disable()
     print(f"under cProfile: {statistics.median(profiled):.2f} ms a request (median)")
     llm.shutdown()
-    for sort in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        stats = pstats.Stats(prof, stream=buf)
-        stats.sort_stats(sort).print_stats(args.top)
-        text = buf.getvalue()
-        print(f"== by {sort}\n{text}")
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"host_profile_{sort}.txt"), "w") as f:
-                f.write(text)
+    print_tables(prof, args.top, args.out, "host_profile")
     if args.out:
         prof.dump_stats(os.path.join(args.out, "host_profile.prof"))
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import io
 import os
-import pstats
 import random
 import sys
 import time
@@ -26,6 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from host_profile import print_tables  # noqa: E402
 
 # (owner, method, label): the host's parts of a step, outermost first
 PARTS = [
@@ -116,15 +117,7 @@ def main() -> None:
     profiling[0] = True
     llm.generate(prompts, params, use_tqdm=False)
     llm.shutdown()
-    for sort in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(args.top)
-        text = buf.getvalue()
-        print(f"== by {sort}\n{text}")
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"host_steps_{sort}.txt"), "w") as f:
-                f.write(text)
+    print_tables(prof, args.top, args.out, "host_steps")
 
 
 if __name__ == "__main__":
