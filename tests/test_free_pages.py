@@ -66,3 +66,42 @@ def test_a_long_prompt_gets_its_pages_in_one_run_and_the_table_points_at_them(pa
         slots = [p * page_size + o for p in cm.rows[idx].pages for o in range(page_size)]
         assert table[idx, : len(slots)].tolist() == slots
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_steps_get_the_pages_and_table_the_general_path_gives(page_size: int) -> None:
+    def run(decode: bool) -> tuple[list[list[int]], torch.Tensor]:
+        table = torch.zeros(4, 64, dtype=torch.int32)
+        cm = CacheManager(64 // page_size * 3, page_size, table, "radix")
+        reqs = []
+        for idx, n in enumerate([5, 8, 13]):
+            req = Req(input_ids=list(range(n)), table_idx=idx, cached_len=0, output_len=20, uid=idx,
+                      sampling_params=SamplingParams(max_tokens=20), cache_handle=None, seed=0)  # fmt: skip
+            cm.attach_prefix(idx, MatchResult(None, [], 0))
+            reqs.append(req)
+        cm.allocate_paged(reqs)
+        for _ in range(11):  # decode steps: each request computes one position, cached_len
+            for req in reqs:
+                req.complete_one()
+            cm.allocate_paged(reqs, decode=decode)
+        cm.check_integrity()
+        return [cm.rows[i].pages for i in range(3)], table
+
+    pages, table = run(decode=True)
+    general_pages, general_table = run(decode=False)
+    assert pages == general_pages and torch.equal(table, general_table)
+    # the longest request's 13 + 11 positions, page by page
+    assert len(pages[2]) == -(-24 // page_size)
+
+
+def test_a_decode_step_refuses_a_row_whose_pages_fall_behind() -> None:
+    table = torch.zeros(2, 16, dtype=torch.int32)
+    cm = CacheManager(16, 1, table, "radix")
+    req = Req(input_ids=[1, 2, 3], table_idx=0, cached_len=0, output_len=4, uid=0,
+              sampling_params=SamplingParams(max_tokens=4), cache_handle=None, seed=0)  # fmt: skip
+    cm.attach_prefix(0, MatchResult(None, [], 0))
+    cm.allocate_paged([req])
+    req.complete_one()
+    req.complete_one()  # a step skipped: position 4's page is asked for while the row holds 3
+    with pytest.raises(RuntimeError, match="holds 3 pages, page 4 asked for"):
+        cm.allocate_paged([req], decode=True)

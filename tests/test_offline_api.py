@@ -319,3 +319,38 @@ def test_two_llms_in_one_process_each_use_their_own_model_and_cache(
         assert [o["token_ids"] for o in second.generate(prompts, greedy(6))] == want_qwen3
     second.shutdown()
     assert [o["token_ids"] for o in first.generate(prompts, greedy(6))] == want_llama
+
+
+def test_plain_decode_tokens_travel_as_one_token_step_message(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    """A decode token that ends nothing and carries no logprobs goes out in the step's TokenStepMsg; the first
+    token (prompt counts), the last (its finish) and a logprobs request's tokens go as messages of their own."""
+    from minisgl.message import DetokenizeMsg
+    from minisgl.message.tokenizer import TokenStepMsg
+
+    llm = make_llm(tiny_model("qwen3"), max_running_req=4)
+    plain: dict[int, int] = {}
+    own: dict[int, list[DetokenizeMsg]] = {}
+    send = llm.send_result
+
+    def record(reply: list[Any]) -> None:
+        for m in reply:
+            if isinstance(m, TokenStepMsg):
+                assert len(m.uids) == len(m.tokens) == len(set(m.uids))
+                for uid in m.uids:
+                    plain[uid] = plain.get(uid, 0) + 1
+            else:
+                own.setdefault(m.uid, []).append(m)
+        send(reply)
+
+    llm.send_result = record  # type: ignore[method-assign]
+    params = [greedy(6), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1), greedy(3)]
+    out = llm.generate(ID_PROMPTS[:3], params)
+    assert [len(o["token_ids"]) for o in out] == [6, 6, 3]
+    a, b, c = sorted(own)
+    assert plain == {a: 4, c: 1}  # all but the first and the last token
+    assert [m.prompt_tokens > 0 for m in own[a]] == [True, False] and own[a][-1].finish_reason == "length"
+    assert len(own[b]) == 6 and all(m.logprob is not None for m in own[b])
+    assert len(out[1]["logprobs"]) == 6
+    assert_nothing_held(llm)

@@ -1,7 +1,7 @@
 """The scheduler's host time in decode steps, part by part, and where it goes: timers, then cProfile.
 
     python benchmark/offline/host_steps.py [--model ckpt/qwen3-0.6b] [--device cuda] [--requests 256]
-        [--max-tokens 64] [--out DIR]
+        [--max-tokens 64] [--page-size 1] [--skip-model] [--out DIR]
 
 Under the overlap loop a decode step's host work (schedule and prepare step k + 1, launch it, then handle step
 k's results) runs while the device computes; once it is longer than the device's step, the device waits. This
@@ -48,12 +48,21 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=1, help="KV slots a page")
+    p.add_argument(
+        "--skip-model",
+        action="store_true",
+        help="fixed logits instead of the model's forward (on a CPU: the host's parts then run as beside a GPU, "
+        "without a CPU forward pass between them evicting their code and data from the caches)",
+    )
     p.add_argument("--top", type=int, default=35, help="rows of each table")
     p.add_argument("--out", help="a folder for the tables")
     args = p.parse_args()
     from minisgl import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, max_running_req=args.requests)
+    llm = LLM(args.model, device=args.device, max_running_req=args.requests, page_size=args.page_size)
+    if args.skip_model:
+        skip_model(llm.engine)
     rng = random.Random(0)
     top = min(llm.engine.model_config.vocab_size, 20000) - 1  # ids the model has
     prompts = [[rng.randint(10, top) for _ in range(rng.randint(100, 300))] for _ in range(args.requests)]
@@ -118,6 +127,26 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     llm.shutdown()
     print_tables(prof, args.top, args.out, "host_steps")
+
+
+def skip_model(engine: Any) -> None:
+    """engine.forward_model gives the same random logits every step (the sampler, the token write and
+    everything around them still run)."""
+    import torch
+
+    vocab = engine.model_config.vocab_size
+    logits = torch.randn(
+        (engine.config.max_running_req + 1, vocab), generator=torch.Generator().manual_seed(0)
+    )
+    logits = logits.to(engine.device)
+
+    def forward_model(forward_input: Any) -> torch.Tensor:
+        batch = forward_input.batch
+        batch.input_ids = engine.token_pool[forward_input.input_mapping]
+        rows = batch.size if batch.is_decode else batch.last_indices.shape[0]
+        return logits[:rows]
+
+    engine.forward_model = forward_model
 
 
 if __name__ == "__main__":

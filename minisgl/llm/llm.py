@@ -11,6 +11,7 @@ from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.message.tokenizer import TokenStepMsg
 from minisgl.scheduler.check import check_params
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
@@ -122,7 +123,30 @@ class LLM(Scheduler):
         self.pending_requests = self.pending_requests[added:]
         return results
 
-    def send_result(self, reply: list[DetokenizeMsg]) -> None:
+    def send_result(self, reply: list[DetokenizeMsg | TokenStepMsg]) -> None:
+        msgs: list[DetokenizeMsg] = []
+        for m in reply:
+            if isinstance(m, TokenStepMsg):
+                msgs += self._take_tokens(m)
+            else:
+                msgs.append(m)
+        self._send_messages(msgs)
+
+    def _take_tokens(self, step: TokenStepMsg) -> list[DetokenizeMsg]:
+        """A step's plain tokens into the outputs; those that need the detokenizers' step (a detokenizer
+        that decodes as it goes, or a request answered already) come back as messages."""
+        status_map = self.status_map
+        rest: list[DetokenizeMsg] = []
+        for uid, token in zip(step.uids, step.tokens):
+            status = status_map[uid]
+            if status.finish_reason is None and status.detokenizer.take_token(token):
+                status.output_ids.append(token)
+            else:
+                rest.append(DetokenizeMsg(uid, token, False))
+        self._progress.add_tokens(len(step.uids) - len(rest))
+        return rest
+
+    def _send_messages(self, reply: list[DetokenizeMsg]) -> None:
         # a step's messages go through the detokenizers together (one call, as the server's tokenizer worker
         # does), each request at most once a call: a request answered twice (an abort racing a finish under
         # overlap) has its second message in a call after the first

@@ -38,6 +38,16 @@ class GenerateProgress:
         if msg.finished and msg.uid not in self.finished:
             self.finished.add(msg.uid)
             self.bar.update(1)
+        self._show()
+
+    def add_tokens(self, n: int) -> None:
+        """n output tokens that end nothing (a step's plain tokens, TokenStepMsg)."""
+        if self.bar is None:
+            return
+        self.output_tokens += n
+        self._show()
+
+    def _show(self) -> None:
         now = time.perf_counter()
         if now - self.shown >= self.bar.mininterval:
             self.shown = now

@@ -90,8 +90,12 @@ class CacheManager:
             self._write_rows([table_idx] * n, list(range(n)), list(match.pages))
 
     # ---- allocation ------------------------------------------------------------------------
-    def allocate_paged(self, reqs: list[Req]) -> None:
-        """Give every request pages for the positions it computes this step, [cached_len, device_len)."""
+    def allocate_paged(self, reqs: list[Req], decode: bool = False) -> None:
+        """Give every request pages for the positions it computes this step, [cached_len, device_len);
+        `decode`: a decode step, which computes one position a request."""
+        if decode:
+            self._allocate_decode(reqs)
+            return
         needs: list[tuple[int, RowPages, int]] = []  # (table row, its pages, how many more)
         rows_of, ps = self.rows, self.page_size
         # every request of every step passes here (a decode step of 256 spent half a millisecond of host time):
@@ -122,6 +126,24 @@ class CacheManager:
                 rows += [idx] * k
                 cols += range(have, have + k)
                 at += k
+        self._write_rows(rows, cols, pages)
+
+    def _allocate_decode(self, reqs: list[Req]) -> None:
+        # a request computes position cached_len and needs a page when that position starts one: with a slot
+        # a page every request every step, so the general loop's checks are one list each here
+        ps = self.page_size
+        needing = reqs if ps == 1 else [r for r in reqs if r.cached_len % ps == 0]
+        if not needing:
+            return
+        pages = self._take_pages(len(needing))
+        rows = [r.table_idx for r in needing]
+        cols = [r.cached_len for r in needing] if ps == 1 else [r.cached_len // ps for r in needing]
+        rows_of = self.rows
+        for idx, col, page in zip(rows, cols, pages):
+            held = rows_of[idx].pages
+            if len(held) != col:  # the page before this position is missing: KV would land nowhere
+                raise RuntimeError(f"table row {idx} holds {len(held)} pages, page {col} asked for (a bug)")
+            held.append(page)
         self._write_rows(rows, cols, pages)
 
     def _take_pages(self, n: int) -> list[int]:

@@ -15,6 +15,7 @@ from minisgl.engine.sample import PromptLogprobsOutput
 from minisgl.env import ENV
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
 from minisgl.message.frontend import SchedulerStats
+from minisgl.message.tokenizer import TokenStepMsg
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.scheduler.config import SchedulerConfig
@@ -144,7 +145,7 @@ class Scheduler(SchedulerIOMixin):
         )
         forward_input = None
         if batch is not None:
-            self.cache_manager.allocate_paged(batch.reqs)
+            self.cache_manager.allocate_paged(batch.reqs, decode=batch.is_decode)
             # the masks of constrained rows come later, when the tokens before them are known (_launch)
             forward_input = self.engine.prepare_batch(batch, self._eos_ids)
         TRACE.step_prepared(batch)
@@ -193,7 +194,11 @@ class Scheduler(SchedulerIOMixin):
         # the sample is on the CPU: this batch and every earlier one are done
         output.copy_done.synchronize()
         self._release_deferred_slots()
-        reply: list[DetokenizeMsg] = []
+        reply: list[DetokenizeMsg | TokenStepMsg] = []
+        # a token that carries nothing else (most of a decode step) goes out in two lists of ints, not as a
+        # message of its own: one TokenStepMsg a step (the wire format's, message/tokenizer.py)
+        plain_uids: list[int] = []
+        plain_tokens: list[int] = []
         new_finished: set[Req] = set()
         # one conversion: indexing a tensor per request costs microseconds
         tokens = output.next_tokens_cpu.tolist()
@@ -203,6 +208,7 @@ class Scheduler(SchedulerIOMixin):
         finished_reqs = self.finished_reqs
         is_prefill = batch.is_prefill
         grammars = self.grammars if self.grammars.active else None
+        eos = self.eos_token_ids
         with self.cache_manager.lazy_free_region():
             for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
                 if prompt_parts is not None and prompt_parts[i] and req not in finished_reqs:
@@ -210,15 +216,29 @@ class Scheduler(SchedulerIOMixin):
                 # a chunked request produces no output this step
                 if isinstance(req, ChunkedReq):
                     continue
-                if req in finished_reqs:
+                if finished_reqs and req in finished_reqs:
                     # under overlap the request finished (or was aborted) last step but was already in this batch
                     continue
                 uid, params = req.uid, req.sampling_params
-                req.input_ids.append(token)  # Req.append_host
+                ids = req.input_ids
+                ids.append(token)  # Req.append_host
                 if grammars is not None:
                     grammars.accept(uid, token)
-                msg = DetokenizeMsg(uid=uid, next_token=token, finished=False)
                 k = params.logprobs
+                # the finish decision (_finish_reason's) written out for the usual decode token: no stop
+                # token, no grammar, short of max_tokens, no logprobs: its uid and token are all it sends
+                if (
+                    not is_prefill
+                    and (k is None or logprobs is None)
+                    and grammars is None
+                    and len(ids) < req.max_device_len
+                    and (params.ignore_eos or token not in eos)
+                    and token not in params.stop_token_ids
+                ):
+                    plain_uids.append(uid)
+                    plain_tokens.append(token)
+                    continue
+                msg = DetokenizeMsg(uid=uid, next_token=token, finished=False)
                 if logprobs is not None and k is not None:
                     msg.logprob = float(logprobs.token_logprobs[i])
                     msg.top_logprobs = list(
@@ -247,6 +267,8 @@ class Scheduler(SchedulerIOMixin):
                 elif is_prefill:
                     # prefill has just finished: hand the prompt's KV to the prefix cache right away
                     self.cache_manager.cache_req(req, finished=False)
+        if plain_uids:
+            reply.insert(0, TokenStepMsg(plain_uids, plain_tokens))  # first, as pack_step orders them
         self.finished_reqs = new_finished
         TRACE.step_done(self, reply)
         self.reply(reply)

@@ -39,6 +39,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from minisgl.core import ChunkedReq
 from minisgl.env import ENV
+from minisgl.message.tokenizer import TokenStepMsg
 from minisgl.utils.logger import init_logger
 
 if TYPE_CHECKING:
@@ -244,20 +245,25 @@ class Tracer:
             self._results = (self._tick(), {})
             self._depth += 1
 
-    def step_done(self, scheduler: Scheduler, reply: list[DetokenizeMsg]) -> None:
+    def step_done(self, scheduler: Scheduler, reply: list[DetokenizeMsg | TokenStepMsg]) -> None:
         """The oldest step in flight has its results: its slices, its first tokens and finishes, the counters."""
         if not self.on or not self._inflight:
             return
         step = self._inflight.popleft()
         finished = []
+        replies = 0
         for msg in reply:
+            if isinstance(msg, TokenStepMsg):  # plain tokens: no first token, no finish
+                replies += len(msg.uids)
+                continue
+            replies += 1
             if msg.prompt_tokens:
                 self._flow(msg.uid, "first token", {"cached": msg.cached_tokens})
             if msg.finished:
                 self._flow(msg.uid, "finish", msg.finish_reason)
                 finished.append(msg.uid)
         args = step.args
-        self._results[1].update(step=args["step"], replies=len(reply), finished=finished)
+        self._results[1].update(step=args["step"], replies=replies, finished=finished)
         device_begin, device_end = self._device_times(step)
         args["prepare_us"] = step.prepared - step.begin
         args["launch_us" if self._cuda else "forward_us"] = step.forward_end - step.forward_begin
