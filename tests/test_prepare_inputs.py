@@ -4,8 +4,14 @@ backend's decode metadata as before (rows, context lengths, the longest-first or
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -53,10 +59,14 @@ def aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-@pytest.mark.parametrize("n,pad", [(1, 0), (3, 0), (5, 3), (8, 0), (77, 3), (256, 0)])
-def test_a_decode_steps_packed_inputs_equal_the_tensors_built_apart(n: int, pad: int) -> None:
+@pytest.mark.parametrize("n,pad", [(1, 0), (3, 0), (5, 3), (8, 0), (77, 3), (256, 0), (2, 1)])
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_a_decode_steps_packed_inputs_equal_the_tensors_built_apart(
+    n: int, pad: int, with_slots: bool
+) -> None:
     batch = decode_batch(n, pad, seed=n)
-    positions, (rows, pos2), (write_rows, write_cols) = make_decode_inputs(batch, CPU)
+    slots = [1000 + 3 * i for i in range(n)] if with_slots else None
+    positions, (rows, pos2), (write_rows, write_cols), out_loc = make_decode_inputs(batch, CPU, slots, 77)
     assert pos2 is positions
     expected_positions = make_positions(batch, CPU)
     batch.positions = expected_positions
@@ -67,7 +77,12 @@ def test_a_decode_steps_packed_inputs_equal_the_tensors_built_apart(n: int, pad:
     assert torch.equal(write_rows, expected_write[0]) and torch.equal(write_cols, expected_write[1])
     if n > 5:  # rows at their length (every fifth) are not written, the others are
         assert (write_cols == -1).any() and (write_cols >= 0).any()
-    assert all(aligned(t) for t in (positions, rows, write_rows, write_cols))
+    parts = (positions, rows, write_rows, write_cols) + ((out_loc,) if with_slots else ())
+    assert all(aligned(t) for t in parts)
+    if with_slots:  # each request's slot, then the scratch slot for every padding row
+        assert out_loc is not None and out_loc.tolist() == [*(slots or []), *[77] * pad]
+    else:
+        assert out_loc is None
 
 
 @pytest.mark.parametrize("n,order_from", [(1, 0), (6, 32), (40, 32), (256, 32)])
@@ -98,3 +113,26 @@ def test_int_tensor_is_torch_tensor_of_the_same_ints() -> None:
     assert int_tensor([]).shape == (0,) and int_tensor([], torch.int32).dtype == torch.int32
     with pytest.raises(OverflowError):
         int_tensor([2**31], torch.int32)
+
+
+def test_a_decode_steps_host_calls_on_the_cuda_paths_code(
+    tiny_model: Callable[[str], str], tmp_path: Any
+) -> None:
+    """benchmark/offline/host_ops.py in a process of its own (it runs the CUDA path's code under Triton's
+    interpreter): with a slot a page the step's slots come with its other inputs, one copy for them and one
+    for the attention metadata, and no gather of the slots from the page table."""
+    out = tmp_path / "ops.json"
+    script = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline", "host_ops.py"
+    )
+    args = ["--requests", "4", "--model", tiny_model("qwen3"), "--json", str(out)]
+    subprocess.run([sys.executable, script, *args], check=True, capture_output=True, timeout=600)
+    counts = json.loads(out.read_text())
+    assert "KV pages" not in counts  # nothing of its own to the device
+    prepare = counts["engine.prepare_batch"]
+    assert prepare["host-to-device copy"] == 2 and "torch index" not in prepare
+    assert prepare["torch index_put_"] == 1
+    launch = counts["launch (less the model)"]
+    assert launch["triton _sample_chunk_kernel"] == launch["triton _sample_merge_kernel"] == 1
+    # 23 when measured (36 before the slots came with the inputs and the sampler's views were made once)
+    assert sum(sum(c.values()) for c in counts.values()) <= 23

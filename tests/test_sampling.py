@@ -77,6 +77,20 @@ def test_the_same_seed_gives_the_same_tokens_alone_and_in_any_batch(
     assert llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]["token_ids"] != alone
 
 
+def test_a_decode_steps_noise_is_that_of_the_sampled_tokens_position_as_in_a_prefill(
+    llama: str, make_llm: Callable[..., LLM]
+) -> None:
+    """The noise counter of a sampled token is its position: a decode step takes it from the step's write
+    columns, a prefill from its last position + 1; the same seed then draws the same token either way."""
+    llm = make_llm(llama, max_running_req=8, cache_type="naive")
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params)[0]["token_ids"]
+    # token k + 1 again, as the first token of a prompt that ends with the first k
+    one = SamplingParams(max_tokens=1, temperature=1.0, seed=7, ignore_eos=True)
+    firsts = llm.generate([PROMPTS[0] + out[:k] for k in range(1, 8)], one)
+    assert [f["token_ids"][0] for f in firsts] == out[1:]
+
+
 def test_the_same_seed_gives_the_same_tokens_in_a_new_engine(
     llama: str, make_llm: Callable[..., LLM]
 ) -> None:

@@ -73,14 +73,15 @@ class LaunchCounter(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-def _count_triton_launches() -> None:
-    """Wrap the launch of every Triton kernel (compiled and interpreted) so the active counter sees it."""
+def _count_triton_launches(active: Callable[[], Any] = lambda: LaunchCounter.active) -> None:
+    """Wrap the launch of every Triton kernel (compiled and interpreted) so the counter `active()` gives (one
+    with `add(kind)` and an `inside_triton` depth, under which its torch calls are the kernel's) sees it."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            counter = LaunchCounter.active
+            counter = active()
             if counter is None or kwargs.get("warmup"):
                 return run(fn, *args, **kwargs)
             counter.add(f"triton {fn.__name__}")
@@ -166,13 +167,22 @@ def main() -> None:
         f"model {args.model or args.shape}, layers {args.layers or 'all'}, {device}, "
         f"{args.prompts} prompts x {args.prompt_len} tokens, page size {args.page_size}"
     )
-    for scope in ("prefill layer", "prefill step", "decode layer", "decode step"):
+    print_counts(
+        counts, ["prefill layer", "prefill step", "decode layer", "decode step"], "launches", args.json
+    )
+
+
+def print_counts(
+    counts: dict[str, Counter[str]], scopes: list[str], unit: str, json_path: str | None
+) -> None:
+    """Each scope's total and its kinds, most first; with json_path, the counts also go there."""
+    for scope in scopes:
         kinds = counts.get(scope, Counter())
-        print(f"{scope}: {sum(kinds.values())} launches")
+        print(f"{scope}: {sum(kinds.values())} {unit}")
         for kind, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"    {n:4d}  {kind}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({scope: dict(kinds) for scope, kinds in counts.items()}, f, indent=1)
 
 

@@ -317,28 +317,46 @@ class Engine:
             )
         return pages
 
-    def prepare_batch(self, batch: Batch, eos_token_ids: Sequence[int] = ()) -> ForwardInput:
+    def prepare_batch(
+        self, batch: Batch, eos_token_ids: Sequence[int] = (), slots: list[int] | None = None
+    ) -> ForwardInput:
         """Everything the forward pass of `batch` reads, built on the host and queued to the device.
 
-        The batch's KV pages must be allocated (the scheduler's cache manager) before this call;
-        `eos_token_ids` are the tokens a request below its min_tokens may not sample. The grammar masks
-        of constrained rows come apart (`set_token_mask`): they need the tokens sampled just before.
+        The batch's KV pages must be allocated (the scheduler's cache manager) before this call; a decode
+        step's with a slot a page may instead come as `slots` (`CacheManager.allocate_decode_slots`), the slot
+        of each request's position, which this writes to the page table. `eos_token_ids` are the tokens a
+        request below its min_tokens may not sample. The grammar masks of constrained rows come apart
+        (`set_token_mask`): they need the tokens sampled just before.
         """
         self.graph_runner.pad_batch(batch)
         self.prefill_graphs.pad_batch(batch)
         if batch.is_decode:
-            batch.positions, input_mapping, write_mapping = make_decode_inputs(batch, self.device)
+            # a padding row's slot: its row of the page table holds the scratch slot everywhere
+            scratch = self.num_pages * self.page_size
+            inputs = make_decode_inputs(batch, self.device, slots, scratch)
+            batch.positions, input_mapping, write_mapping = inputs[:3]
+            if inputs.out_loc is not None:
+                rows, positions, slots = input_mapping[0], batch.positions, inputs.out_loc
+                n = batch.size
+                if batch.padded_size > n:  # the padding rows' slots are the scratch slot: nothing to write
+                    rows, positions, slots = rows[:n], positions[:n], slots[:n]
+                self.page_table[rows, positions] = slots.to(torch.int32)
+                batch.out_loc = inputs.out_loc
+            else:
+                batch.out_loc = self.page_table[input_mapping].to(torch.int64)
         else:
             batch.positions = make_positions(batch, self.device)
             input_mapping = make_input_tuple(batch, self.device, self.prefill_graphs.dummy_table_idx)
             write_mapping = make_write_tuple(batch, self.device)
-        batch.out_loc = self.page_table[input_mapping].to(torch.int64)
+            batch.out_loc = self.page_table[input_mapping].to(torch.int64)
         prompt_args = None
         if batch.is_prefill:
             batch.last_indices = make_last_indices(batch, self.device)
             prompt_args = self._prompt_logprob_args(batch)
         self.attn_backend.prepare_metadata(batch)
-        sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids)
+        # a decode step's write columns are the sampled tokens' positions (device_len): the noise counters
+        steps = write_mapping[1] if batch.is_decode else None
+        sample_args = self.sampler.prepare(batch, self.token_pool, eos_token_ids, steps)
         sample_args.prompt = prompt_args
         return ForwardInput(batch, sample_args, input_mapping, write_mapping)
 

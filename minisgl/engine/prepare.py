@@ -67,11 +67,22 @@ def make_write_tuple(batch: Batch, device: torch.device) -> Indice2D:
     return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
-def make_decode_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor, Indice2D, Indice2D]:
+class DecodeInputs(NamedTuple):
+    positions: torch.Tensor  # [padded] int64
+    input_mapping: Indice2D
+    write_mapping: Indice2D
+    # with the step's slots given: [padded] int64, each row's KV slot (padding rows: the scratch slot)
+    out_loc: torch.Tensor | None
+
+
+def make_decode_inputs(
+    batch: Batch, device: torch.device, slots: list[int] | None = None, scratch: int = 0
+) -> DecodeInputs:
     """A decode step's positions, input mapping and write mapping (what make_positions, make_input_tuple and
     make_write_tuple give; the engine uses those for prefills) from one host tensor and one copy: each small
     tensor built and copied apart cost the host tens of microseconds, every step. A graph batch's padding rows
-    come after its requests."""
+    come after its requests. `slots`: the KV slot of each request's position (a slot a page), which come along
+    in the same copy, the padding rows' the `scratch` slot."""
     padded, n = batch.padded_reqs, batch.size
     p = len(padded)
     # each part starts 16-byte aligned, as a tensor of its own would: Triton specialises pointer arguments on it
@@ -79,10 +90,18 @@ def make_decode_inputs(batch: Batch, device: torch.device) -> tuple[torch.Tensor
     rows = [r.table_idx for r in padded]
     # no chunked request decodes: a row can decode while below its length (Req.can_decode)
     cols = [r.device_len if r.device_len < r.max_device_len else -1 for r in batch.reqs]
-    packed = to_device_async(int_tensor(rows + gap + [r.cached_len for r in padded] + gap + cols), device)
+    flat = rows + gap + [r.cached_len for r in padded] + gap + cols + [0] * (-n % 2)
+    if slots is not None:
+        flat += slots + [scratch] * (p - n)
+    packed = to_device_async(int_tensor(flat), device)
     q = p + len(gap)
     positions = packed[q : q + p]
-    return positions, (packed[:p], positions), (packed[:n], packed[2 * q :])
+    w = 2 * q + n + n % 2
+    out_loc = packed[w : w + p] if slots is not None else None
+    rows_t = packed[:p]
+    # every slice is a torch call the host pays for: the write rows are the input rows when nothing is padded
+    write_rows = rows_t if p == n else packed[:n]
+    return DecodeInputs(positions, (rows_t, positions), (write_rows, packed[2 * q : 2 * q + n]), out_loc)
 
 
 def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:

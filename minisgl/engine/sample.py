@@ -141,6 +141,9 @@ class _RowParams:
     packed: torch.Tensor | None
     seeds: torch.Tensor | None
     uses: tuple[bool, bool, bool]
+    # the views of `packed` a step hands out ([B, 1] temperatures, then the filters or None), made once
+    temperatures: torch.Tensor | None
+    filters: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
     # some request has a logit_bias or a min_tokens (held-back stop ids): the bias is built each step
     biased: bool
 
@@ -157,12 +160,17 @@ class Sampler:
         )
 
     def prepare(
-        self, batch: Batch, token_pool: torch.Tensor, eos_token_ids: Sequence[int] = ()
+        self,
+        batch: Batch,
+        token_pool: torch.Tensor,
+        eos_token_ids: Sequence[int] = (),
+        steps: torch.Tensor | None = None,
     ) -> BatchSamplingArgs:
         """Sampling arguments of the batch; `token_pool` holds every request's tokens (for penalties);
         `eos_token_ids` are held back, with each request's stop ids, until it has min_tokens tokens.
-        `batch.positions` (and in a prefill `batch.last_indices`) must be on the device already."""
-        args = self._prepare(batch, token_pool)
+        `batch.positions` (and in a prefill `batch.last_indices`) must be on the device already; `steps`, the
+        position of each row's sampled token ([B] int64 on the device), where the caller has it."""
+        args = self._prepare(batch, token_pool, steps)
         assert self._rows is not None
         if self._rows.biased:
             args.bias = self._prepare_bias(batch, eos_token_ids)
@@ -203,25 +211,41 @@ class Sampler:
             )[:, : len(params)]
             seeds = self._to([r.seed for r in reqs], torch.int64)
         biased = any(p.logit_bias or p.min_tokens > 0 for p in params)
-        self._rows = _RowParams(list(reqs), greedy, penalised, top_logprobs, packed, seeds, uses, biased)
+        temperatures = packed[0][:, None] if packed is not None else None
+        filters = tuple(packed[i + 1] if packed is not None and used else None for i, used in enumerate(uses))
+        self._rows = _RowParams(
+            reqs=list(reqs),
+            greedy=greedy,
+            penalised=penalised,
+            top_logprobs=top_logprobs,
+            packed=packed,
+            seeds=seeds,
+            uses=uses,
+            temperatures=temperatures,
+            filters=filters,
+            biased=biased,
+        )
         return self._rows
 
-    def _prepare(self, batch: Batch, token_pool: torch.Tensor) -> BatchSamplingArgs:
+    def _prepare(
+        self, batch: Batch, token_pool: torch.Tensor, steps: torch.Tensor | None
+    ) -> BatchSamplingArgs:
         rows = self._row_params(batch)
         if rows.greedy:
             return BatchSamplingArgs(greedy=True, top_logprobs=rows.top_logprobs)
-        assert rows.packed is not None
         # the noise counter is the position of the token drawn, device_len: one past the last input's
-        last = batch.positions[batch.last_indices] if batch.is_prefill else batch.positions[: batch.size]
-        top_k, top_p, min_p = (rows.packed[i + 1] if used else None for i, used in enumerate(rows.uses))
+        if steps is None:
+            last = batch.positions[batch.last_indices] if batch.is_prefill else batch.positions[: batch.size]
+            steps = last.to(torch.int64) + 1
+        top_k, top_p, min_p = rows.filters
         args = BatchSamplingArgs(
             greedy=False,
-            temperatures=rows.packed[0][:, None],
+            temperatures=rows.temperatures,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
             seeds=rows.seeds,
-            steps=last.to(torch.int64) + 1,
+            steps=steps,
             top_logprobs=rows.top_logprobs,
         )
         if rows.penalised:

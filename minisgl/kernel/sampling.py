@@ -112,6 +112,15 @@ def _sample_merge_kernel(BestV, BestI, Out, V, NUM_CHUNKS: tl.constexpr):
     tl.store(Out + r, tl.min(tl.where(v == top, i, V), 0))
 
 
+def _flat_f32(t: torch.Tensor) -> torch.Tensor:
+    """A kernel's [B] float32 argument: t itself when it already is one in memory ([B] or [B, 1], contiguous;
+    the kernels index it by row), else a converted copy. The checks are attribute reads, not torch calls,
+    which cost the host microseconds each on a decode step's path."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return t.reshape(-1).to(torch.float32).contiguous()
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -127,7 +136,7 @@ def sample_tokens(
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    temps = temperatures.reshape(-1).to(torch.float32).contiguous()
+    temps = _flat_f32(temperatures)
     block = min(2048, next_pow2(vocab))
     num_chunks = min(32, next_pow2(div_ceil(vocab, 4 * block)))
     chunk = div_ceil(div_ceil(vocab, num_chunks), block) * block
@@ -422,9 +431,7 @@ def filter_thresholds(
     masses = torch.empty((bs, CHUNKS, 16), dtype=torch.float32, device=dev)
     kept = torch.empty((bs, CHUNKS), dtype=torch.float32, device=dev)
     windows = torch.empty((bs, window), dtype=torch.float32, device=dev)
-    temps = temperatures.reshape(-1).to(torch.float32).contiguous()
-    top_k, top_p = top_k.to(torch.float32).contiguous(), top_p.to(torch.float32).contiguous()
-    min_p = min_p.to(torch.float32).contiguous()
+    temps, top_k, top_p, min_p = (_flat_f32(t) for t in (temperatures, top_k, top_p, min_p))
     stride = logits.stride(0)
     grid = (bs, CHUNKS)
     _bounds_kernel[grid](logits, stride, temps, bounds, vocab, chunk, C=CHUNKS, BLOCK=block, num_warps=4)
@@ -456,7 +463,7 @@ def sample(
 
     def rows(t: torch.Tensor | None, off: float) -> torch.Tensor:
         # one dtype for every filter: the kernel compiles once
-        return logits.new_full((bs,), off, dtype=torch.float32) if t is None else t.to(torch.float32)
+        return logits.new_full((bs,), off, dtype=torch.float32) if t is None else _flat_f32(t)
 
     thresholds = filter_thresholds(
         logits, temperatures, rows(top_k, vocab), rows(top_p, 1.0), rows(min_p, 0.0)

@@ -133,18 +133,31 @@ class CacheManager:
         # a page every request every step, so the general loop's checks are one list each here
         ps = self.page_size
         needing = reqs if ps == 1 else [r for r in reqs if r.cached_len % ps == 0]
-        if not needing:
-            return
-        pages = self._take_pages(len(needing))
-        rows = [r.table_idx for r in needing]
-        cols = [r.cached_len for r in needing] if ps == 1 else [r.cached_len // ps for r in needing]
+        if needing:
+            rows, cols, pages = self._take_decode_pages(needing)
+            self._write_rows(rows, cols, pages)
+
+    def allocate_decode_slots(self, reqs: list[Req]) -> list[int]:
+        """With a slot a page: the slot of each request's one position this decode step, in request order,
+        recorded as the row's next page but not written to the page table: the caller writes them there
+        (`Engine.prepare_batch` does, from the copy that takes the step's other inputs to the device)."""
+        assert self.page_size == 1, "a decode step's slots are its pages only with a slot a page"
+        return self._take_decode_pages(reqs)[2]
+
+    def _take_decode_pages(self, reqs: list[Req]) -> tuple[list[int], list[int], list[int]]:
+        """A page for each request, for the page its position cached_len starts: (table rows, the page's
+        index in each row, the pages)."""
+        ps = self.page_size
+        pages = self._take_pages(len(reqs))
+        rows = [r.table_idx for r in reqs]
+        cols = [r.cached_len for r in reqs] if ps == 1 else [r.cached_len // ps for r in reqs]
         rows_of = self.rows
         for idx, col, page in zip(rows, cols, pages):
             held = rows_of[idx].pages
             if len(held) != col:  # the page before this position is missing: KV would land nowhere
                 raise RuntimeError(f"table row {idx} holds {len(held)} pages, page {col} asked for (a bug)")
             held.append(page)
-        self._write_rows(rows, cols, pages)
+        return rows, cols, pages
 
     def _take_pages(self, n: int) -> list[int]:
         """The n lowest free pages, evicting from the prefix cache first if too few are free."""

@@ -145,9 +145,14 @@ class Scheduler(SchedulerIOMixin):
         )
         forward_input = None
         if batch is not None:
-            self.cache_manager.allocate_paged(batch.reqs, decode=batch.is_decode)
+            slots = None
+            if batch.is_decode and self.cache_manager.page_size == 1:
+                # the engine writes them to the page table with the step's other inputs: one copy, no gather
+                slots = self.cache_manager.allocate_decode_slots(batch.reqs)
+            else:
+                self.cache_manager.allocate_paged(batch.reqs, decode=batch.is_decode)
             # the masks of constrained rows come later, when the tokens before them are known (_launch)
-            forward_input = self.engine.prepare_batch(batch, self._eos_ids)
+            forward_input = self.engine.prepare_batch(batch, self._eos_ids, slots)
         TRACE.step_prepared(batch)
         for observe in self.step_observers:
             observe(batch)
