@@ -33,6 +33,7 @@ PARTS = [
     ("scheduler", "_schedule_next_batch", "schedule + prepare"),
     ("decode_manager", "schedule_next_batch", "  decode manager"),
     ("cache_manager", "allocate_paged", "  KV pages"),
+    ("cache_manager", "allocate_decode_slots", "  KV pages"),  # a decode step's, with a slot a page
     ("engine", "prepare_batch", "  engine.prepare_batch"),
     ("attn_backend", "prepare_metadata", "    attention metadata"),
     ("sampler", "prepare", "    sampler.prepare"),
@@ -103,6 +104,8 @@ def main() -> None:
 
     for owner, name, label in PARTS:
         obj = owners[owner]
+        if not hasattr(obj, name):  # an older tree, for an A/B: the part is not there
+            continue
         # instance attributes: each wrapper sees the bound method, the class stays as it is
         setattr(obj, name, timed(label, getattr(obj, name), not label.startswith(" ")))
 
@@ -121,7 +124,7 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     n = max(steps[0], 1)
     print(f"{args.requests} requests, {n} decode steps; host time a decode step, wall clock, no profiler:")
-    for _, _, label in PARTS:
+    for label in dict.fromkeys(label for _, _, label in PARTS):
         print(f"  {label:28s} {totals[label] / n * 1e6:8.0f} us")
     profiling[0] = True
     llm.generate(prompts, params, use_tqdm=False)
