@@ -139,7 +139,11 @@ class LLM(Scheduler):
         rest: list[DetokenizeMsg] = []
         for uid, token in zip(step.uids, step.tokens):
             status = status_map[uid]
-            if status.finish_reason is None and status.detokenizer.take_token(token):
+            detokenizer = status.detokenizer
+            # what IncrementalDetokenizer.take_plain does, written out (a call a token cost a tenth of this
+            # loop's time); a plain token is never negative and ends nothing
+            if detokenizer.lazy and status.finish_reason is None:
+                detokenizer.ids.append(token)
                 status.output_ids.append(token)
             else:
                 rest.append(DetokenizeMsg(uid, token, False))

@@ -11,7 +11,7 @@ from minisgl.constrained.grammar import GrammarManager
 from minisgl.core import Batch, ChunkedReq, Req, RequestError
 from minisgl.engine.engine import ForwardOutput
 from minisgl.engine.prepare import ForwardInput
-from minisgl.engine.sample import PromptLogprobsOutput
+from minisgl.engine.sample import LogprobsOutput, PromptLogprobsOutput
 from minisgl.env import ENV
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
 from minisgl.message.frontend import SchedulerStats
@@ -215,63 +215,30 @@ class Scheduler(SchedulerIOMixin):
         grammars = self.grammars if self.grammars.active else None
         eos = self.eos_token_ids
         with self.cache_manager.lazy_free_region():
-            for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
-                if prompt_parts is not None and prompt_parts[i] and req not in finished_reqs:
-                    self._prompt_logprobs.setdefault(req.uid, []).extend(prompt_parts[i])
-                # a chunked request produces no output this step
-                if isinstance(req, ChunkedReq):
-                    continue
-                if finished_reqs and req in finished_reqs:
-                    # under overlap the request finished (or was aborted) last step but was already in this batch
-                    continue
-                uid, params = req.uid, req.sampling_params
-                ids = req.input_ids
-                ids.append(token)  # Req.append_host
-                if grammars is not None:
-                    grammars.accept(uid, token)
-                k = params.logprobs
-                # the finish decision (_finish_reason's) written out for the usual decode token: no stop
-                # token, no grammar, short of max_tokens, no logprobs: its uid and token are all it sends
-                if (
-                    not is_prefill
-                    and (k is None or logprobs is None)
-                    and grammars is None
-                    and len(ids) < req.max_device_len
-                    and (params.ignore_eos or token not in eos)
-                    and token not in params.stop_token_ids
-                ):
-                    plain_uids.append(uid)
-                    plain_tokens.append(token)
-                    continue
-                msg = DetokenizeMsg(uid=uid, next_token=token, finished=False)
-                if logprobs is not None and k is not None:
-                    msg.logprob = float(logprobs.token_logprobs[i])
-                    msg.top_logprobs = list(
-                        zip(logprobs.top_ids[i, :k].tolist(), logprobs.top_logprobs[i, :k].tolist())
-                    )
-                if is_prefill:
-                    msg.prompt_tokens, msg.cached_tokens = req.prompt_len, req.num_cached_tokens
-                    if params.prompt_logprobs is not None:
-                        # position p's entry is for the prompt token p + 1; the first token has none
-                        got = self._prompt_logprobs.pop(uid, [])
-                        ids = req.input_ids[: req.prompt_len]
-                        first: list[Any] = [ids[0], None, None, []]
-                        msg.prompt_logprobs = [first, *([t, *e] for t, e in zip(ids[1:], got))]
-                    self.cache_stats.prompt_tokens += req.prompt_len
-                    self.cache_stats.cached_tokens += req.num_cached_tokens
-                # judged by the tokens the CPU has received, which does not depend on the scheduling rhythm
-                reason = self._finish_reason(req, token, grammars)
-                if reason is not None:
-                    msg.finished, msg.finish_reason = True, reason
-                    msg.matched_eos = reason == "stop" and token not in params.stop_token_ids
-                reply.append(msg)
-                if reason is not None:
-                    self.decode_manager.remove_req(req)
-                    self._free_req_resources(req)
-                    new_finished.add(req)
-                elif is_prefill:
-                    # prefill has just finished: hand the prompt's KV to the prefix cache right away
-                    self.cache_manager.cache_req(req, finished=False)
+            if is_prefill or prompt_parts is not None or logprobs is not None or grammars is not None:
+                rest = self._append_tokens(
+                    batch, tokens, prompt_parts, logprobs, grammars, (plain_uids, plain_tokens)
+                )
+            else:  # a decode step of plain sampling, most steps: the loop with nothing else to look at
+                rest = []
+                for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
+                    if finished_reqs and req in finished_reqs:
+                        continue  # under overlap: it finished last step but was already in this batch
+                    ids = req.input_ids
+                    ids.append(token)  # Req.append_host
+                    params = req.sampling_params
+                    # _finish_reason's decision written out: no stop token, short of max_tokens
+                    if (
+                        len(ids) < req.max_device_len
+                        and (params.ignore_eos or token not in eos)
+                        and token not in params.stop_token_ids
+                    ):
+                        plain_uids.append(req.uid)
+                        plain_tokens.append(token)
+                    else:
+                        rest.append((i, req, token))
+            for i, req, token in rest:
+                reply.append(self._result_msg(i, req, token, is_prefill, logprobs, grammars, new_finished))
         if plain_uids:
             reply.insert(0, TokenStepMsg(plain_uids, plain_tokens))  # first, as pack_step orders them
         self.finished_reqs = new_finished
@@ -280,6 +247,92 @@ class Scheduler(SchedulerIOMixin):
         TRACE.results_end()
         if ENV.DEBUG_CHECK_INTEGRITY.value:
             self.check_integrity()
+
+    def _append_tokens(
+        self,
+        batch: Batch,
+        tokens: list[int],
+        prompt_parts: list[list[tuple[float, int, list[list[Any]]]]] | None,
+        logprobs: LogprobsOutput | None,
+        grammars: GrammarManager | None,
+        plain: tuple[list[int], list[int]],
+    ) -> list[tuple[int, Req, int]]:
+        """Each request's new token appended (and its grammar advanced); the plain ones (a decode token that
+        ends nothing and carries no logprobs) go into `plain`'s uids and tokens, the rest come back as (row,
+        request, token) for a message of their own. The general loop: prefills, logprobs, grammars."""
+        eos, finished_reqs, decode = self.eos_token_ids, self.finished_reqs, batch.is_decode
+        plain_uids, plain_tokens = plain
+        rest: list[tuple[int, Req, int]] = []
+        for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
+            if prompt_parts is not None and prompt_parts[i] and req not in finished_reqs:
+                self._prompt_logprobs.setdefault(req.uid, []).extend(prompt_parts[i])
+            # a chunked request produces no output this step
+            if isinstance(req, ChunkedReq):
+                continue
+            if finished_reqs and req in finished_reqs:
+                # under overlap the request finished (or was aborted) last step but was already in this batch
+                continue
+            ids = req.input_ids
+            ids.append(token)  # Req.append_host
+            if grammars is not None:
+                grammars.accept(req.uid, token)
+            params = req.sampling_params
+            if (
+                decode
+                and (params.logprobs is None or logprobs is None)
+                and grammars is None
+                and len(ids) < req.max_device_len
+                and (params.ignore_eos or token not in eos)
+                and token not in params.stop_token_ids
+            ):
+                plain_uids.append(req.uid)
+                plain_tokens.append(token)
+            else:
+                rest.append((i, req, token))
+        return rest
+
+    def _result_msg(
+        self,
+        i: int,
+        req: Req,
+        token: int,
+        is_prefill: bool,
+        logprobs: LogprobsOutput | None,
+        grammars: GrammarManager | None,
+        new_finished: set[Req],
+    ) -> DetokenizeMsg:
+        """The message of row i's token (appended already): its logprobs, a prefill's prompt counts, its finish;
+        a finished request's resources are freed, a prefilled one's prompt handed to the prefix cache."""
+        uid, params = req.uid, req.sampling_params
+        msg = DetokenizeMsg(uid=uid, next_token=token, finished=False)
+        k = params.logprobs
+        if logprobs is not None and k is not None:
+            msg.logprob = float(logprobs.token_logprobs[i])
+            msg.top_logprobs = list(
+                zip(logprobs.top_ids[i, :k].tolist(), logprobs.top_logprobs[i, :k].tolist())
+            )
+        if is_prefill:
+            msg.prompt_tokens, msg.cached_tokens = req.prompt_len, req.num_cached_tokens
+            if params.prompt_logprobs is not None:
+                # position p's entry is for the prompt token p + 1; the first token has none
+                got = self._prompt_logprobs.pop(uid, [])
+                ids = req.input_ids[: req.prompt_len]
+                first: list[Any] = [ids[0], None, None, []]
+                msg.prompt_logprobs = [first, *([t, *e] for t, e in zip(ids[1:], got))]
+            self.cache_stats.prompt_tokens += req.prompt_len
+            self.cache_stats.cached_tokens += req.num_cached_tokens
+        # judged by the tokens the CPU has received, which does not depend on the scheduling rhythm
+        reason = self._finish_reason(req, token, grammars)
+        if reason is not None:
+            msg.finished, msg.finish_reason = True, reason
+            msg.matched_eos = reason == "stop" and token not in params.stop_token_ids
+            self.decode_manager.remove_req(req)
+            self._free_req_resources(req)
+            new_finished.add(req)
+        elif is_prefill:
+            # prefill has just finished: hand the prompt's KV to the prefix cache right away
+            self.cache_manager.cache_req(req, finished=False)
+        return msg
 
     def _finish_reason(self, req: Req, token: int, grammars: GrammarManager | None) -> str | None:
         """The one finish decision on token ids: a stop token ("stop"), or max_tokens reached ("length").

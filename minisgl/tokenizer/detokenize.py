@@ -61,13 +61,9 @@ class IncrementalDetokenizer:
     def take_plain(self, msg: DetokenizeMsg) -> bool:
         """Take a message that needs no decoding now, as `step()` would (True): a token that ends nothing, for a
         detokenizer that decodes at the end (offline, no stop strings). False: the message is for `step()`."""
-        return not msg.finished and self.take_token(msg.next_token)
-
-    def take_token(self, token: int) -> bool:
-        """`take_plain` for a token that ends nothing (a step's plain tokens, TokenStepMsg)."""
-        if not self.lazy or token < 0:
+        if not self.lazy or msg.finished or msg.next_token < 0:
             return False
-        self.ids.append(token)
+        self.ids.append(msg.next_token)
         return True
 
     def add(self, token: int) -> str:
