@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from itertools import count
 from typing import Any
 
 import torch
@@ -208,35 +209,16 @@ class Scheduler(SchedulerIOMixin):
         # one conversion: indexing a tensor per request costs microseconds
         tokens = output.next_tokens_cpu.tolist()
         prompt_parts = _split_prompt_logprobs(output.prompt_logprobs, batch.reqs)
-        # this loop runs for every request of every step (a decode step of 256 requests spent about a
-        # millisecond of the host's time in it): what is the same for all of them is looked up once
-        finished_reqs = self.finished_reqs
         is_prefill = batch.is_prefill
         grammars = self.grammars if self.grammars.active else None
-        eos = self.eos_token_ids
+        # these loops run for every request of every step (a decode step of 256 requests spent about a
+        # millisecond of the host's time in one): a plain decode step takes only _decode_tokens' short one
         with self.cache_manager.lazy_free_region():
+            rows: Iterable[tuple[int, Req, int]] = zip(count(), batch.reqs, tokens)
+            rest: list[tuple[int, Req, int]] = []
             if is_prefill or prompt_parts is not None or logprobs is not None or grammars is not None:
-                rest = self._append_tokens(
-                    batch, tokens, prompt_parts, logprobs, grammars, (plain_uids, plain_tokens)
-                )
-            else:  # a decode step of plain sampling, most steps: the loop with nothing else to look at
-                rest = []
-                for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
-                    if finished_reqs and req in finished_reqs:
-                        continue  # under overlap: it finished last step but was already in this batch
-                    ids = req.input_ids
-                    ids.append(token)  # Req.append_host
-                    params = req.sampling_params
-                    # _finish_reason's decision written out: no stop token, short of max_tokens
-                    if (
-                        len(ids) < req.max_device_len
-                        and (params.ignore_eos or token not in eos)
-                        and token not in params.stop_token_ids
-                    ):
-                        plain_uids.append(req.uid)
-                        plain_tokens.append(token)
-                    else:
-                        rest.append((i, req, token))
+                rows, rest = self._append_tokens(batch, tokens, prompt_parts, logprobs, grammars)
+            rest += self._decode_tokens(rows, plain_uids, plain_tokens)
             for i, req, token in rest:
                 reply.append(self._result_msg(i, req, token, is_prefill, logprobs, grammars, new_finished))
         if plain_uids:
@@ -248,40 +230,22 @@ class Scheduler(SchedulerIOMixin):
         if ENV.DEBUG_CHECK_INTEGRITY.value:
             self.check_integrity()
 
-    def _append_tokens(
-        self,
-        batch: Batch,
-        tokens: list[int],
-        prompt_parts: list[list[tuple[float, int, list[list[Any]]]]] | None,
-        logprobs: LogprobsOutput | None,
-        grammars: GrammarManager | None,
-        plain: tuple[list[int], list[int]],
+    def _decode_tokens(
+        self, rows: Iterable[tuple[int, Req, int]], plain_uids: list[int], plain_tokens: list[int]
     ) -> list[tuple[int, Req, int]]:
-        """Each request's new token appended (and its grammar advanced); the plain ones (a decode token that
-        ends nothing and carries no logprobs) go into `plain`'s uids and tokens, the rest come back as (row,
-        request, token) for a message of their own. The general loop: prefills, logprobs, grammars."""
-        eos, finished_reqs, decode = self.eos_token_ids, self.finished_reqs, batch.is_decode
-        plain_uids, plain_tokens = plain
+        """The decode rows (row, request, token) of requests without logprobs or a grammar, most of every decode
+        step: each token appended, the plain ones (_finish_reason's decision written out: no stop token, short
+        of max_tokens) into the two lists; the rest come back for a message of their own."""
+        finished_reqs, eos = self.finished_reqs, self.eos_token_ids
         rest: list[tuple[int, Req, int]] = []
-        for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
-            if prompt_parts is not None and prompt_parts[i] and req not in finished_reqs:
-                self._prompt_logprobs.setdefault(req.uid, []).extend(prompt_parts[i])
-            # a chunked request produces no output this step
-            if isinstance(req, ChunkedReq):
-                continue
+        for i, req, token in rows:
             if finished_reqs and req in finished_reqs:
-                # under overlap the request finished (or was aborted) last step but was already in this batch
-                continue
+                continue  # under overlap: it finished (or was aborted) last step but was already in this batch
             ids = req.input_ids
             ids.append(token)  # Req.append_host
-            if grammars is not None:
-                grammars.accept(req.uid, token)
             params = req.sampling_params
             if (
-                decode
-                and (params.logprobs is None or logprobs is None)
-                and grammars is None
-                and len(ids) < req.max_device_len
+                len(ids) < req.max_device_len
                 and (params.ignore_eos or token not in eos)
                 and token not in params.stop_token_ids
             ):
@@ -290,6 +254,39 @@ class Scheduler(SchedulerIOMixin):
             else:
                 rest.append((i, req, token))
         return rest
+
+    def _append_tokens(
+        self,
+        batch: Batch,
+        tokens: list[int],
+        prompt_parts: list[list[tuple[float, int, list[list[Any]]]]] | None,
+        logprobs: LogprobsOutput | None,
+        grammars: GrammarManager | None,
+    ) -> tuple[list[tuple[int, Req, int]], list[tuple[int, Req, int]]]:
+        """The general loop, for a step that is not plain decoding (a prefill, prompt logprobs, logprobs, a
+        grammar): the rows that are plain decode rows after all (a decode step, no grammar, no logprobs asked),
+        for _decode_tokens; and the others, their tokens appended (and grammars advanced), for a message each."""
+        finished_reqs = self.finished_reqs
+        plain_rows = batch.is_decode and grammars is None
+        decode_rows: list[tuple[int, Req, int]] = []
+        rows: list[tuple[int, Req, int]] = []
+        for i, (req, token) in enumerate(zip(batch.reqs, tokens)):
+            if prompt_parts is not None and prompt_parts[i] and req not in finished_reqs:
+                self._prompt_logprobs.setdefault(req.uid, []).extend(prompt_parts[i])
+            # a chunked request produces no output this step
+            if isinstance(req, ChunkedReq):
+                continue
+            if plain_rows and (logprobs is None or req.sampling_params.logprobs is None):
+                decode_rows.append((i, req, token))
+                continue
+            if finished_reqs and req in finished_reqs:
+                # under overlap the request finished (or was aborted) last step but was already in this batch
+                continue
+            req.input_ids.append(token)  # Req.append_host
+            if grammars is not None:
+                grammars.accept(req.uid, token)
+            rows.append((i, req, token))
+        return decode_rows, rows
 
     def _result_msg(
         self,
