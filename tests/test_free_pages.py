@@ -103,5 +103,8 @@ def test_a_decode_step_refuses_a_row_whose_pages_fall_behind() -> None:
     cm.allocate_paged([req])
     req.complete_one()
     req.complete_one()  # a step skipped: position 4's page is asked for while the row holds 3
+    free = len(cm.free_pages)
     with pytest.raises(RuntimeError, match="holds 3 pages, page 4 asked for"):
         cm.allocate_paged([req], decode=True)
+    assert len(cm.free_pages) == free  # the page taken for it went back
+    cm.check_integrity()

@@ -336,11 +336,11 @@ class Engine:
             inputs = make_decode_inputs(batch, self.device, slots, scratch)
             batch.positions, input_mapping, write_mapping = inputs[:3]
             if inputs.out_loc is not None:
-                rows, positions, slots = input_mapping[0], batch.positions, inputs.out_loc
+                rows, positions, new_slots = input_mapping[0], batch.positions, inputs.out_loc
                 n = batch.size
                 if batch.padded_size > n:  # the padding rows' slots are the scratch slot: nothing to write
-                    rows, positions, slots = rows[:n], positions[:n], slots[:n]
-                self.page_table[rows, positions] = slots.to(torch.int32)
+                    rows, positions, new_slots = rows[:n], positions[:n], new_slots[:n]
+                self.page_table[rows, positions] = new_slots.to(torch.int32)
                 batch.out_loc = inputs.out_loc
             else:
                 batch.out_loc = self.page_table[input_mapping].to(torch.int64)

@@ -152,9 +152,10 @@ class CacheManager:
         rows = [r.table_idx for r in reqs]
         cols = [r.cached_len for r in reqs] if ps == 1 else [r.cached_len // ps for r in reqs]
         rows_of = self.rows
-        for idx, col, page in zip(rows, cols, pages):
+        for j, (idx, col, page) in enumerate(zip(rows, cols, pages)):
             held = rows_of[idx].pages
             if len(held) != col:  # the page before this position is missing: KV would land nowhere
+                self._release(pages[j:])  # the pages no row took go back before the error
                 raise RuntimeError(f"table row {idx} holds {len(held)} pages, page {col} asked for (a bug)")
             held.append(page)
         return rows, cols, pages
