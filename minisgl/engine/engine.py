@@ -102,6 +102,8 @@ class Engine:
         if self.kv_scales.found and not fp8:
             logger.info_rank0(f"the checkpoint's KV scales are not used: the KV cache is {self.kv_dtype}")
         self.num_pages = self._num_pages()
+        # the first slot past the pages handed out: CUDA-graph padding rows write their K/V there
+        self.scratch_slot = self.num_pages * config.page_size
         graph_bs = config.cuda_graph_max_bs
         if graph_bs is None:
             graph_bs = min(256, config.max_running_req)
@@ -126,7 +128,7 @@ class Engine:
             device=self.device,
         )
         if use_graphs:
-            self.page_table[config.max_running_req].fill_(self.num_pages * self.page_size)
+            self.page_table[config.max_running_req].fill_(self.scratch_slot)
         # token_pool[row, pos] is the token at position pos of the request in that row, kept on the device
         self.token_pool = torch.zeros_like(self.page_table)
         local_qo_heads = mc.num_qo_heads // self.tp_info.size
@@ -331,9 +333,8 @@ class Engine:
         self.graph_runner.pad_batch(batch)
         self.prefill_graphs.pad_batch(batch)
         if batch.is_decode:
-            # a padding row's slot: its row of the page table holds the scratch slot everywhere
-            scratch = self.num_pages * self.page_size
-            inputs = make_decode_inputs(batch, self.device, slots, scratch)
+            # a padding row's slot is the scratch slot, as everywhere in its row of the page table
+            inputs = make_decode_inputs(batch, self.device, slots, self.scratch_slot)
             batch.positions, input_mapping, write_mapping = inputs[:3]
             if inputs.out_loc is not None:
                 rows, positions, new_slots = input_mapping[0], batch.positions, inputs.out_loc

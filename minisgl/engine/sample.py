@@ -136,14 +136,11 @@ class _RowParams:
     greedy: bool
     penalised: bool
     top_logprobs: int | None
-    # on the device: temperature (0: greedy), top_k, top_p and min_p of each row; each filter row is
-    # handed out only if some request of the batch uses it (the CPU filters skip what no row uses)
-    packed: torch.Tensor | None
-    seeds: torch.Tensor | None
-    uses: tuple[bool, bool, bool]
-    # the views of `packed` a step hands out ([B, 1] temperatures, then the filters or None), made once
+    # on the device, views of one packed copy made once: [B, 1] temperatures (0: greedy), then top_k, top_p
+    # and min_p, each only if some request of the batch uses it (the CPU filters skip what no row uses)
     temperatures: torch.Tensor | None
     filters: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    seeds: torch.Tensor | None
     # some request has a logit_bias or a min_tokens (held-back stop ids): the bias is built each step
     biased: bool
 
@@ -220,11 +217,9 @@ class Sampler:
             greedy=greedy,
             penalised=penalised,
             top_logprobs=top_logprobs,
-            packed=packed,
-            seeds=seeds,
-            uses=uses,
             temperatures=temperatures,
             filters=filters,
+            seeds=seeds,
             biased=biased,
         )
         return self._rows
