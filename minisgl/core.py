@@ -107,6 +107,8 @@ class Batch:
     # (prompt_logprobs); their logits follow the last tokens' ones. None: no request asks
     prompt_logit_indices: torch.Tensor | None = field(init=False, default=None)
     attn_metadata: Any = field(init=False, default=None)
+    # a decode step's inputs in one device tensor (engine/prepare.py's make_decode_inputs): a graph copies them in
+    packed_inputs: torch.Tensor | None = field(init=False, default=None)
     # reqs plus dummy rows that pad a CUDA-graph batch
     padded_reqs: list[Req] = field(init=False)
     # a prefill that replays a CUDA graph: its tokens padded to this many (0: not padded)
@@ -155,6 +157,16 @@ class Context:
             yield
         finally:
             self._batch = None
+
+    @contextmanager
+    def replaying(self, batch: Batch) -> Iterator[None]:
+        """Inside a step's forward, `batch` (a graph's captured one) stands for it: an emulated graph's
+        replay runs the forward again on the captured batch (engine/graph.py)."""
+        outer, self._batch = self._batch, batch
+        try:
+            yield
+        finally:
+            self._batch = outer
 
 
 _GLOBAL_CTX: Context | None = None

@@ -155,6 +155,13 @@ class _Env:
             "launch the compiled Triton kernels through minisgl's launcher (kernel/launch.py: Triton's own "
             "specialisation, a quarter less host time a launch on an H200 machine); 0: Triton's own call",
         )
+        self.EMULATE_GRAPHS = EnvVar(
+            "MINISGL_EMULATE_GRAPHS",
+            False,
+            "on a CPU, decode and prefill graphs whose replay runs the captured forward again on the static "
+            "buffers a CUDA graph reads (engine/graph.py's ReplayedForward): the graph runners' inputs, padding "
+            "and scratch slots checked without a GPU; for tests, slower than no graphs",
+        )
         self.MOE_BACKEND = EnvVar(
             "MINISGL_MOE_BACKEND",
             "auto",

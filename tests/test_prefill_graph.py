@@ -180,7 +180,7 @@ def test_which_steps_replay_a_graph() -> None:
 def test_static_inputs_start_on_the_scratch_slot_and_take_a_steps_inputs() -> None:
     """The graphs' input buffers: a capture binds the first n of each, a replay copies a step's into them
     and leaves the rest as they were (padding tokens keep the scratch slot)."""
-    from minisgl.engine.graph import StaticInputs
+    from minisgl.engine.prefill_graph import StaticInputs
 
     inputs = StaticInputs(8, scratch=77, device=torch.device("cpu"))
     assert inputs.out_loc.tolist() == [77] * 8

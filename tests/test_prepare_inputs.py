@@ -66,8 +66,17 @@ def test_a_decode_steps_packed_inputs_equal_the_tensors_built_apart(
 ) -> None:
     batch = decode_batch(n, pad, seed=n)
     slots = [1000 + 3 * i for i in range(n)] if with_slots else None
-    positions, (rows, pos2), (write_rows, write_cols), out_loc = make_decode_inputs(batch, CPU, slots, 77)
+    positions, (rows, pos2), (write_rows, write_cols), out_loc, packed = make_decode_inputs(
+        batch, CPU, slots, 77
+    )
     assert pos2 is positions
+    # a decode graph of this size reads its rows and positions where DecodeGraphInputs.views puts them
+    p = batch.padded_size
+    q = p + p % 2
+    assert torch.equal(packed[:p], rows) and torch.equal(packed[q : q + p], positions)
+    if with_slots:
+        assert out_loc is not None and out_loc.data_ptr() == packed[2 * q :].data_ptr()
+    assert rows.data_ptr() == packed.data_ptr()
     expected_positions = make_positions(batch, CPU)
     batch.positions = expected_positions
     expected_rows, _ = make_input_tuple(batch, CPU)
@@ -119,13 +128,14 @@ def test_a_decode_steps_host_calls_on_the_cuda_paths_code(
     tiny_model: Callable[[str], str], tmp_path: Any
 ) -> None:
     """benchmark/offline/host_ops.py in a process of its own (it runs the CUDA path's code under Triton's
-    interpreter): with a slot a page the step's slots come with its other inputs, one copy for them and one
-    for the attention metadata, and no gather of the slots from the page table."""
+    interpreter, and the step replays an emulated decode graph): with a slot a page the step's slots come with
+    its other inputs, one copy for them and one for the attention metadata, and no gather of the slots from the
+    page table; the replay copies the step's inputs in at once and gathers nothing outside the graph."""
     out = tmp_path / "ops.json"
     script = os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "benchmark", "offline", "host_ops.py"
     )
-    args = ["--requests", "4", "--model", tiny_model("qwen3"), "--json", str(out)]
+    args = ["--requests", "4", "--graphs", "--model", tiny_model("qwen3"), "--json", str(out)]
     subprocess.run([sys.executable, script, *args], check=True, capture_output=True, timeout=600)
     counts = json.loads(out.read_text())
     assert "KV pages" not in counts  # nothing of its own to the device
@@ -134,5 +144,8 @@ def test_a_decode_steps_host_calls_on_the_cuda_paths_code(
     assert prepare["torch index_put_"] == 1
     launch = counts["launch (less the model)"]
     assert launch["triton _sample_chunk_kernel"] == launch["triton _sample_merge_kernel"] == 1
-    # 23 when measured (36 before the slots came with the inputs and the sampler's views were made once)
-    assert sum(sum(c.values()) for c in counts.values()) <= 23
+    # the step's inputs and the attention metadata: a copy each; the token ids gathered inside the graph
+    assert launch["graph replay"] == 1 and launch["torch copy_"] == 2 and "torch index" not in launch
+    # 27 when measured (32 with three input buffers and the gather before the replay; without the replay 23,
+    # 36 before the slots came with the inputs and the sampler's views were made once)
+    assert sum(sum(c.values()) for c in counts.values()) <= 27

@@ -1,6 +1,6 @@
 """The torch calls and copies the scheduler's host makes in one decode step, part by part, on the CUDA path's code.
 
-    python benchmark/offline/host_ops.py [--requests 16] [--page-size 1] [--top-p] [--model DIR] [--json out.json]
+    python benchmark/offline/host_ops.py [--requests 16] [--page-size 1] [--top-p] [--graphs] [--model DIR] [--json out.json]
 
 Beside a GPU each torch call costs the host microseconds whatever its size (10-20 us on the H200 machine's CPU:
 `host_steps.py`), and a decode step's host work is mostly such calls around a graph replay; how many there are
@@ -14,8 +14,9 @@ TRITON_INTERPRET=1), on a random one-layer Qwen3-0.6B-shaped checkpoint (or `--m
 
 in the parts the scheduler runs: the KV pages (`allocate_paged`), `engine.prepare_batch`, the launch
 (`engine.forward_batch`, less the model's forward, which a CUDA graph replays in one call) and the results
-(`_process_last_data`). The CUDA graph's own input copies (`GraphRunner.replay`) do not run here (no graphs
-on a CPU): 3 copies and their slices more on a GPU.
+(`_process_last_data`). With `--graphs` the decode step replays a graph of its batch size (on a CPU an emulated
+one, MINISGL_EMULATE_GRAPHS): the replay's own calls (its inputs' copies, the attention metadata's, the
+replay itself, counted as one call) are counted in the launch, what the graph runs is not.
 """
 
 from __future__ import annotations
@@ -66,13 +67,26 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(model_dir: str, requests: int, page_size: int, top_p: bool) -> dict[str, Counter[str]]:
+def count(
+    model_dir: str, requests: int, page_size: int, top_p: bool, graphs: bool
+) -> dict[str, Counter[str]]:
     import minisgl.attention.triton_backend as backend_mod
     import minisgl.engine.prepare as prepare_mod
     import minisgl.scheduler.cache as cache_mod
     from minisgl import LLM, SamplingParams
+    from minisgl.engine.graph import ReplayedForward
+    from minisgl.env import ENV
 
-    llm = LLM(model_dir, dtype="bfloat16", max_running_req=requests, page_size=page_size, cuda_graph_max_bs=0)
+    ENV.EMULATE_GRAPHS.value = graphs
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        max_running_req=requests,
+        page_size=page_size,
+        cuda_graph_bs=[requests] if graphs else None,
+        cuda_graph_max_bs=requests if graphs else 0,
+        cuda_graph_max_prefill=0,
+    )
     counter = OpCounter()
     _count_triton_launches(lambda: counter)
     steps = [0]
@@ -117,6 +131,17 @@ def count(model_dir: str, requests: int, page_size: int, top_p: bool) -> dict[st
             counter.paused -= 1
 
     llm.engine.model.forward = uncounted_forward
+    replay = ReplayedForward.replay
+
+    def uncounted_replay(self: ReplayedForward) -> None:
+        counter.add("graph replay")  # beside a GPU one call, whatever the graph holds
+        counter.paused += 1
+        try:
+            replay(self)
+        finally:
+            counter.paused -= 1
+
+    ReplayedForward.replay = uncounted_replay  # type: ignore[method-assign]
     schedule = llm._schedule_next_batch
 
     def step() -> Any:
@@ -146,15 +171,21 @@ def main() -> None:
         help="a checkpoint folder (default: a random one-layer Qwen3-0.6B shape; the counts do "
         "not depend on the model's size, only the interpreter's time does)",
     )
+    p.add_argument(
+        "--graphs", action="store_true", help="the decode step replays a graph (emulated on a CPU)"
+    )
     p.add_argument("--json", help="write the counts here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         from random_checkpoint import build
 
         model = args.model or build("qwen3-0.6b", tmp, layers=1)
-        counts = count(model, args.requests, args.page_size, args.top_p)
+        counts = count(model, args.requests, args.page_size, args.top_p, args.graphs)
     total = sum(sum(c.values()) for c in counts.values())
-    print(f"a decode step of {args.requests} requests, page size {args.page_size}: {total} host calls")
+    graphs = ", a graph's replay" if args.graphs else ""
+    print(
+        f"a decode step of {args.requests} requests, page size {args.page_size}{graphs}: {total} host calls"
+    )
     print_counts(counts, [label for _, _, label in PARTS], "calls", args.json)
 
 

@@ -243,11 +243,14 @@ def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str,
         be.graph_meta[1, :bs] = torch.tensor(lens, dtype=torch.int32, device="cuda")
         if be.graph_meta.shape[0] == 3:  # graphs captured with MINISGL_DECODE_LONGEST_FIRST
             be.graph_meta[2, :bs] = torch.tensor(decode_order(lens), dtype=torch.int32, device="cuda")
-        inputs = gr.inputs
-        inputs.input_ids[:bs] = torch.randint(0, mc.vocab_size, (bs,), device="cuda", dtype=torch.int32)
-        inputs.positions[:bs] = torch.tensor(lens, device="cuda") - 1
-        at = (torch.arange(bs, device="cuda"), inputs.positions[:bs])
-        inputs.out_loc[:bs] = eng.page_table[at].to(torch.int64)
+        # the graph reads its rows, positions and slots from its static inputs and gathers its token ids
+        rows, positions, out_loc = gr.inputs.views(bs)
+        rows.copy_(torch.arange(bs, device="cuda"))
+        positions.copy_(torch.tensor(lens, device="cuda") - 1)
+        eng.token_pool[rows, positions] = torch.randint(
+            0, mc.vocab_size, (bs,), device="cuda", dtype=torch.int32
+        )
+        out_loc.copy_(eng.page_table[rows, positions].to(torch.int64))
         with torch.cuda.stream(eng.stream):
             step_ms = bench_ms(gr.graphs[bs].replay, iters=30)
         kv = sum(lens) * per_token_kv
@@ -264,6 +267,7 @@ def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str,
         }
         print(f"decode step bs={bs}: {out[f'decode_bs{bs}']}", flush=True)
     eng.page_table[:256].zero_()
+    eng.token_pool[:256].zero_()
     # one prefill step of 8 prompts x 1024 tokens (the budget is 8192 tokens); max_tokens=1 ends it there
     rng = random.Random(1)
     prompts = [[rng.randrange(10000) for _ in range(1024)] for _ in range(8)]

@@ -15,7 +15,7 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
-from minisgl.engine.graph import GraphRunner
+from minisgl.engine.graph import GraphRunner, graphs_possible
 from minisgl.engine.prefill_graph import PrefillGraphRunner
 from minisgl.engine.prepare import (
     ForwardInput,
@@ -107,7 +107,7 @@ class Engine:
         graph_bs = config.cuda_graph_max_bs
         if graph_bs is None:
             graph_bs = min(256, config.max_running_req)
-        use_graphs = self.device.type == "cuda" and graph_bs > 0
+        use_graphs = graphs_possible(self.device) and graph_bs > 0
         self.kv_cache = MHAKVCache(
             mc.num_layers,
             # with graphs, one more page than the cache manager hands out: the padding rows write there
@@ -151,6 +151,8 @@ class Engine:
             config.max_running_req,
             self.max_seq_len,
             mc.vocab_size,
+            self.token_pool,
+            slots_in_inputs=self.page_size == 1,  # the scheduler's cache manager gives them (prepare_batch)
         )
         self.prefill_graphs = PrefillGraphRunner(
             self.device,
@@ -334,8 +336,13 @@ class Engine:
         self.prefill_graphs.pad_batch(batch)
         if batch.is_decode:
             # a padding row's slot is the scratch slot, as everywhere in its row of the page table
+            # a graph with a slot a page reads the slots from the step's inputs
+            assert slots is not None or self.page_size > 1 or not self.graph_runner.can_use(batch), (
+                "a decode step replaying a graph with a slot a page takes its slots with it"
+            )
             inputs = make_decode_inputs(batch, self.device, slots, self.scratch_slot)
             batch.positions, input_mapping, write_mapping = inputs[:3]
+            batch.packed_inputs = inputs.packed
             if inputs.out_loc is not None:
                 rows, positions, new_slots = input_mapping[0], batch.positions, inputs.out_loc
                 n = batch.size
@@ -343,7 +350,7 @@ class Engine:
                     rows, positions, new_slots = rows[:n], positions[:n], new_slots[:n]
                 self.page_table[rows, positions] = new_slots.to(torch.int32)
                 batch.out_loc = inputs.out_loc
-            else:
+            elif not self.graph_runner.can_use(batch):  # a graph gathers them itself
                 batch.out_loc = self.page_table[input_mapping].to(torch.int64)
         else:
             batch.positions = make_positions(batch, self.device)
@@ -423,11 +430,12 @@ class Engine:
         # engine was built in the process after it
         set_global_ctx(self.ctx)
         set_tp_info(self.tp_info)
-        batch.input_ids = self.token_pool[forward_input.input_mapping]
-        with self.ctx.forward_batch(batch):
-            if self.graph_runner.can_use(batch):
+        if self.graph_runner.can_use(batch):  # the graph gathers its token ids itself
+            with self.ctx.forward_batch(batch):
                 # the graph's output buffer: the next replay overwrites it, after this step's sampling in stream order
                 return self.graph_runner.replay(batch)
+        batch.input_ids = self.token_pool[forward_input.input_mapping]
+        with self.ctx.forward_batch(batch):
             if self.prefill_graphs.can_use(batch):
                 return self.prefill_graphs.replay(batch)
             if self.compiled_decode.can_use(batch):

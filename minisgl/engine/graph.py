@@ -1,24 +1,31 @@
 """CUDA graphs for decode: one graph per batch size, batches padded up to the next captured size.
 
 A decode step launches a dozen kernels per layer, each only microseconds long; replaying a graph
-removes the launch cost between them. Inputs (token ids, positions, KV slots, attention metadata)
-are copied into static buffers on the engine's stream right before a replay, so the scheduler may
-build the next batch meanwhile. Padding rows are the dummy request: row `dummy_table_idx` of the
-page table, which points at a scratch page of the pool that no request owns.
+removes the launch cost between them. A step's inputs are copied into static buffers on the engine's
+stream right before a replay, so the scheduler may build the next batch meanwhile: its rows, positions
+and KV slots in one copy (`DecodeGraphInputs`; the graph gathers the token ids from the token pool
+itself, and the slots from the page table with pages above a slot), the attention metadata in
+another. Padding rows are the dummy request: row `dummy_table_idx` of the page table, which points at
+a scratch page of the pool that no request owns.
 
-Off on the CPU (there is nothing to capture), and with cuda_graph_max_bs=0.
+Off on the CPU (there is nothing to capture), and with cuda_graph_max_bs=0. On a CPU with
+MINISGL_EMULATE_GRAPHS the runners work as on CUDA, each graph a `ReplayedForward`: tests check the
+runners' data flow there, without a GPU.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from contextlib import nullcontext
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
+from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -29,11 +36,59 @@ def default_graph_bs(max_bs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
+def graphs_possible(device: torch.device) -> bool:
+    """CUDA graphs on CUDA; on a CPU only emulated ones (MINISGL_EMULATE_GRAPHS)."""
+    return device.type == "cuda" or (device.type == "cpu" and ENV.EMULATE_GRAPHS.value)
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+    def pool(self) -> Any: ...
+
+
+class ReplayedForward:
+    """A CUDA graph's stand-in on a CPU (MINISGL_EMULATE_GRAPHS): a replay runs the captured forward again
+    on the captured batch, whose tensors are the static buffers a graph reads, and writes the graph's output
+    buffer. So a step whose inputs do not all reach the static buffers before the replay gives wrong tokens
+    here as on a GPU; what a capture forbids (host reads, allocations outside the pool) it cannot show."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], batch: Batch, out: torch.Tensor) -> None:
+        self.forward, self.batch, self.out = forward, batch, out
+
+    def replay(self) -> None:
+        with get_global_ctx().replaying(self.batch):
+            self.out.copy_(self.forward())
+
+    def pool(self) -> None:
+        return None
+
+
+def graph_stream(stream: torch.cuda.Stream | None) -> Any:
+    """The capture's stream context: none for an emulated graph."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def graph_kind(stream: torch.cuda.Stream | None) -> str:
+    return "emulated" if stream is None else "CUDA"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def capture_forward(
-    forward: Callable[[], torch.Tensor], batch: Batch, pool: Any, stream: torch.cuda.Stream
-) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    forward: Callable[[], torch.Tensor], batch: Batch, pool: Any, stream: torch.cuda.Stream | None
+) -> tuple[Graph, torch.Tensor]:
     """A graph of `forward` over `batch` (its inputs in static buffers) and the graph's output buffer; a
-    run outside the capture comes first: it compiles and autotunes this shape."""
+    run outside the capture comes first: it compiles and autotunes this shape. Without a stream (a CPU)
+    the graph is emulated."""
+    if stream is None:
+        with get_global_ctx().forward_batch(batch):
+            forward()
+            out = forward()
+        return ReplayedForward(forward, batch, out), out
     graph = torch.cuda.CUDAGraph()
     with get_global_ctx().forward_batch(batch):
         forward()
@@ -58,26 +113,34 @@ def dummy_req(table_idx: int, cached_len: int = 0) -> Req:
     )
 
 
-class StaticInputs:
-    """The device buffers a captured graph reads a step's token ids, positions and KV slots from; until a
-    step's are copied in, every slot is the scratch slot (the dummy row's), which no request reads."""
+class DecodeGraphInputs:
+    """The one device buffer decode graphs read a step's rows, positions and KV slots from, laid out as
+    `make_decode_inputs` lays out the step's packed inputs: a graph of bs rows reads the rows at [0, bs), the
+    positions at [q, q + bs) and the slots at [2q, 2q + bs), q = bs rounded up to even. A replay copies the
+    step's whole packed tensor in: one copy, where a buffer for each input took three and the token ids'
+    gather before them. Without slots in the step's inputs (a page size above one) a graph gathers them
+    from the page table instead."""
 
-    def __init__(self, n: int, scratch: int, device: torch.device) -> None:
-        self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_loc = torch.full((n,), scratch, dtype=torch.int64, device=device)
+    def __init__(self, max_bs: int, dummy_table_idx: int, scratch: int, device: torch.device) -> None:
+        self.dummy_table_idx, self.scratch = dummy_table_idx, scratch
+        # rows, positions, slots, and room for the write columns the step's tensor carries after them
+        self.packed = torch.zeros(4 * (max_bs + max_bs % 2), dtype=torch.int64, device=device)
 
-    def bind(self, batch: Batch, n: int) -> None:
-        """The capture's batch reads the first n of each buffer."""
-        batch.input_ids = self.input_ids[:n]
-        batch.positions = self.positions[:n]
-        batch.out_loc = self.out_loc[:n]
+    def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A graph of bs rows' rows, positions and slots, set to the dummy row's first position (the scratch
+        slot) for its capture."""
+        q = bs + bs % 2
+        rows, positions, slots = self.packed[:bs], self.packed[q : q + bs], self.packed[2 * q : 2 * q + bs]
+        rows.fill_(self.dummy_table_idx)
+        positions.zero_()
+        slots.fill_(self.scratch)
+        return rows, positions, slots
 
-    def load(self, batch: Batch, n: int) -> None:
+    def load(self, batch: Batch) -> None:
         """A replay's inputs copied in (device to device, on the current stream)."""
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_loc[:n].copy_(batch.out_loc)
+        packed = batch.packed_inputs
+        assert packed is not None, "a decode step's inputs come packed (Engine.prepare_batch)"
+        self.packed[: packed.shape[0]].copy_(packed)
 
 
 class GraphRunner:
@@ -91,9 +154,11 @@ class GraphRunner:
         dummy_table_idx: int,
         max_seq_len: int,
         vocab_size: int,
+        token_pool: torch.Tensor,
+        slots_in_inputs: bool,
     ) -> None:
         self.device = device
-        self.enabled = device.type == "cuda" and max_bs > 0
+        self.enabled = graphs_possible(device) and max_bs > 0
         if bs_list:
             bs_list = [s for s in bs_list if 0 < s <= max_bs]
         self.bs_list = sorted(bs_list) if bs_list else default_graph_bs(max_bs) if self.enabled else []
@@ -104,7 +169,11 @@ class GraphRunner:
         self.dummy_table_idx = dummy_table_idx
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.token_pool = token_pool
+        # a step's KV slots come in its packed inputs (a slot a page: the scheduler hands them to
+        # Engine.prepare_batch), or the graph gathers them from the page table
+        self.slots_in_inputs = slots_in_inputs
+        self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: object | None = None  # the captured graphs' memory pool
         self.dummy_req = dummy_req(dummy_table_idx)
@@ -123,7 +192,7 @@ class GraphRunner:
         batch.padded_reqs = batch.reqs + [self.dummy_req] * extra
 
     @torch.inference_mode()
-    def capture(self, stream: torch.cuda.Stream) -> None:
+    def capture(self, stream: torch.cuda.Stream | None) -> None:
         """Capture one graph per batch size, largest first so the smaller ones reuse its memory pool."""
         if not self.enabled:
             return
@@ -137,26 +206,38 @@ class GraphRunner:
         max_bs = self.max_bs
         # the dummy request's one token sits at position 0 of its row: the scratch slot
         scratch = int(get_global_ctx().page_table[self.dummy_table_idx, 0].item())
-        self.inputs = StaticInputs(max_bs, scratch, self.device)
+        self.inputs = DecodeGraphInputs(max_bs, self.dummy_table_idx, scratch, self.device)
         pool = None
-        with torch.cuda.stream(stream):
+        with graph_stream(stream):
             for bs in reversed(self.bs_list):
                 batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
-                self.inputs.bind(batch, bs)
+                rows, batch.positions, slots = self.inputs.views(bs)
+                if self.slots_in_inputs:
+                    batch.out_loc = slots
                 self.attn_backend.prepare_for_capture(batch)
-                graph, self.logits[bs] = capture_forward(self.forward, batch, pool, stream)
+                forward = partial(self._gather_and_forward, batch, rows)
+                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         self.pool = pool  # the prefill graphs share it
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         logger.info_rank0(
-            f"captured {len(self.graphs)} CUDA graphs for decode batch sizes up to {max_bs} "
+            f"captured {len(self.graphs)} {graph_kind(stream)} graphs for decode batch sizes up to {max_bs} "
             f"in {time.perf_counter() - start:.1f} s"
         )
 
+    def _gather_and_forward(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """What a decode graph runs: its token ids gathered at its rows and positions, its KV slots too where
+        they do not come with the inputs (the page table holds them by then: the scheduler's cache manager
+        wrote them before the replay, in stream order; the dummy row's are the scratch slot), then the model."""
+        batch.input_ids = self.token_pool[rows, batch.positions]
+        if not self.slots_in_inputs:
+            batch.out_loc = get_global_ctx().page_table[rows, batch.positions].to(torch.int64)
+        return self.forward()
+
     def replay(self, batch: Batch) -> torch.Tensor:
         bs = batch.padded_size
-        self.inputs.load(batch, bs)
+        self.inputs.load(batch)
         self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.logits[bs]

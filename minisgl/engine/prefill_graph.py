@@ -15,7 +15,7 @@ How a step is padded so that one graph serves every such step:
 Static buffers take the step's inputs by device-to-device copies before the replay, on the engine's
 stream, as for the decode graphs (graph.py).
 
-Off on the CPU, with cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits
+Off on the CPU (emulated there with MINISGL_EMULATE_GRAPHS, as graph.py says), with cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits
 rows vary), and for attention backends without static prefill metadata.
 """
 
@@ -29,7 +29,15 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, get_global_ctx
-from minisgl.engine.graph import StaticInputs, capture_forward, dummy_req
+from minisgl.engine.graph import (
+    Graph,
+    capture_forward,
+    dummy_req,
+    graph_kind,
+    graph_stream,
+    graphs_possible,
+    synchronize,
+)
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,6 +58,28 @@ def default_token_counts(max_tokens: int) -> list[int]:
     return sorted(set(counts) | {max_tokens}) if max_tokens > 0 else []
 
 
+class StaticInputs:
+    """The device buffers a captured prefill graph reads a step's token ids, positions and KV slots from;
+    until a step's are copied in, every slot is the scratch slot (the dummy row's), which no request reads."""
+
+    def __init__(self, n: int, scratch: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_loc = torch.full((n,), scratch, dtype=torch.int64, device=device)
+
+    def bind(self, batch: Batch, n: int) -> None:
+        """The capture's batch reads the first n of each buffer."""
+        batch.input_ids = self.input_ids[:n]
+        batch.positions = self.positions[:n]
+        batch.out_loc = self.out_loc[:n]
+
+    def load(self, batch: Batch, n: int) -> None:
+        """A replay's inputs copied in (device to device, on the current stream)."""
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_loc[:n].copy_(batch.out_loc)
+
+
 class PrefillGraphRunner:
     def __init__(
         self,
@@ -61,7 +91,7 @@ class PrefillGraphRunner:
     ) -> None:
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
-        self.enabled = device.type == "cuda" and max_tokens > 0
+        self.enabled = graphs_possible(device) and max_tokens > 0
         self.device = device
         self.token_counts = default_token_counts(max_tokens) if self.enabled else []
         self.max_tokens = self.token_counts[-1] if self.token_counts else 0
@@ -70,7 +100,7 @@ class PrefillGraphRunner:
         self.forward = forward
         self.dummy_table_idx = dummy_table_idx
         self.empty_req = dummy_req(dummy_table_idx, cached_len=1)  # extend_len 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def padded_tokens(self, batch: Batch) -> int:
@@ -94,7 +124,7 @@ class PrefillGraphRunner:
         return batch.is_prefill and batch.padded_tokens in self.graphs
 
     @torch.inference_mode()
-    def capture(self, stream: torch.cuda.Stream, pool: Any = None) -> None:
+    def capture(self, stream: torch.cuda.Stream | None, pool: Any = None) -> None:
         """Capture one graph per token count, largest first so the smaller ones reuse its memory;
         `pool` is the decode graphs' memory pool, shared (the graphs never run at the same time)."""
         if not self.enabled:
@@ -110,7 +140,7 @@ class PrefillGraphRunner:
         scratch = int(get_global_ctx().page_table[self.dummy_table_idx, 0].item())
         self.inputs = StaticInputs(n, scratch, self.device)
         self.last_indices = torch.zeros(self.max_reqs, dtype=torch.int64, device=self.device)
-        with torch.cuda.stream(stream):
+        with graph_stream(stream):
             for tokens in reversed(self.token_counts):
                 batch = Batch(reqs=[self.empty_req] * self.max_reqs, phase="prefill")
                 batch.padded_tokens = tokens
@@ -120,9 +150,9 @@ class PrefillGraphRunner:
                 graph, self.logits[tokens] = capture_forward(self.forward, batch, pool, stream)
                 pool = graph.pool()
                 self.graphs[tokens] = graph
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         logger.info_rank0(
-            f"captured {len(self.graphs)} CUDA graphs for prefill steps of up to {n} tokens and "
+            f"captured {len(self.graphs)} {graph_kind(stream)} graphs for prefill steps of up to {n} tokens and "
             f"{self.max_reqs} requests in {time.perf_counter() - start:.1f} s"
         )
 

@@ -73,6 +73,10 @@ class DecodeInputs(NamedTuple):
     write_mapping: Indice2D
     # with the step's slots given: [padded] int64, each row's KV slot (padding rows: the scratch slot)
     out_loc: torch.Tensor | None
+    # all of the above in one int64 tensor: the input rows from 0, the positions from q = padded rounded up to
+    # even, the slots (when given) from 2q, then the write columns (a decode graph copies it into its static
+    # buffer at once and reads its parts there)
+    packed: torch.Tensor
 
 
 def make_decode_inputs(
@@ -87,21 +91,24 @@ def make_decode_inputs(
     p = len(padded)
     # each part starts 16-byte aligned, as a tensor of its own would: Triton specialises pointer arguments on it
     gap = [0] * (p % 2)
+    q = p + len(gap)
     rows = [r.table_idx for r in padded]
     # no chunked request decodes: a row can decode while below its length (Req.can_decode)
     cols = [r.device_len if r.device_len < r.max_device_len else -1 for r in batch.reqs]
-    flat = rows + gap + [r.cached_len for r in padded] + gap + cols + [0] * (-n % 2)
+    # rows, positions and slots at fixed offsets for a batch size (a decode graph reads them there), the
+    # write columns last
+    flat = rows + gap + [r.cached_len for r in padded] + gap
     if slots is not None:
-        flat += slots + [scratch] * (p - n)
-    packed = to_device_async(int_tensor(flat), device)
-    q = p + len(gap)
+        flat += slots + [scratch] * (p - n) + gap
+    w = len(flat)
+    packed = to_device_async(int_tensor(flat + cols), device)
     positions = packed[q : q + p]
-    w = 2 * q + n + n % 2
-    out_loc = packed[w : w + p] if slots is not None else None
+    out_loc = packed[2 * q : 2 * q + p] if slots is not None else None
     rows_t = packed[:p]
     # every slice is a torch call the host pays for: the write rows are the input rows when nothing is padded
     write_rows = rows_t if p == n else packed[:n]
-    return DecodeInputs(positions, (rows_t, positions), (write_rows, packed[2 * q : 2 * q + n]), out_loc)
+    write_cols = packed[w : w + n]
+    return DecodeInputs(positions, (rows_t, positions), (write_rows, write_cols), out_loc, packed)
 
 
 def make_last_indices(batch: Batch, device: torch.device) -> torch.Tensor:
