@@ -74,7 +74,7 @@ def count(
     import minisgl.engine.prepare as prepare_mod
     import minisgl.scheduler.cache as cache_mod
     from minisgl import LLM, SamplingParams
-    from minisgl.engine.graph import ReplayedForward
+    from minisgl.engine.graph import Graph
     from minisgl.env import ENV
 
     ENV.EMULATE_GRAPHS.value = graphs
@@ -131,17 +131,26 @@ def count(
             counter.paused -= 1
 
     llm.engine.model.forward = uncounted_forward
-    replay = ReplayedForward.replay
 
-    def uncounted_replay(self: ReplayedForward) -> None:
-        counter.add("graph replay")  # beside a GPU one call, whatever the graph holds
-        counter.paused += 1
-        try:
-            replay(self)
-        finally:
-            counter.paused -= 1
+    class CountedGraph:
+        """A captured graph (CUDA's or an emulated one) whose replay counts as one call and nothing inside."""
 
-    ReplayedForward.replay = uncounted_replay  # type: ignore[method-assign]
+        def __init__(self, graph: Graph) -> None:
+            self.graph = graph
+
+        def replay(self) -> None:
+            counter.add("graph replay")
+            counter.paused += 1
+            try:
+                self.graph.replay()
+            finally:
+                counter.paused -= 1
+
+        def pool(self) -> Any:
+            return self.graph.pool()
+
+    runner = llm.engine.graph_runner
+    runner.graphs = {bs: CountedGraph(g) for bs, g in runner.graphs.items()}
     schedule = llm._schedule_next_batch
 
     def step() -> Any:

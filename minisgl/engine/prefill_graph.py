@@ -15,8 +15,9 @@ How a step is padded so that one graph serves every such step:
 Static buffers take the step's inputs by device-to-device copies before the replay, on the engine's
 stream, as for the decode graphs (graph.py).
 
-Off on the CPU (emulated there with MINISGL_EMULATE_GRAPHS, as graph.py says), with cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits
-rows vary), and for attention backends without static prefill metadata.
+Off on the CPU (emulated there with MINISGL_EMULATE_GRAPHS, as graph.py says), with
+cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits rows vary), and for
+attention backends without static prefill metadata.
 """
 
 from __future__ import annotations
