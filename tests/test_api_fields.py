@@ -488,3 +488,33 @@ def test_chat_template_flags_shape_the_prompt(server: Server, tokenizer: Any) ->
     assert prompt_ids(continue_final_message=True, add_generation_prompt=False) == list(continued)
     assert prompt_ids(continue_final_message=True) == list(continued)
     assert tokenizer.decode(continued).endswith("The answer")
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_rest_is_refused(
+    server: Server, tokenizer: Any, name: str
+) -> None:
+    """vLLM's and SGLang's chat_template_kwargs (the tiny template reads enable_thinking, as Qwen3's does):
+    rendered as transformers renders them, the prompt's ids the same through /tokenize; a name the template
+    does not take from a request is a 400 naming the field, as is the field beside a plain prompt."""
+    off = tokenizer.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+    )
+    r = server.client().chat.completions.create(
+        model=name,
+        messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True},
+    )
+    assert r.model_extra is not None and r.model_extra["prompt_token_ids"] == list(off)
+    status, got = post(
+        server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert status == 200 and got["tokens"] == list(off)
+    for path, body in (
+        ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"thinking_budget": 5}}),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}),
+        ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}),
+        ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": ["enable_thinking"]}),
+    ):
+        status, got = post(server, path, body)
+        assert status == 400 and got["error"]["param"] == "chat_template_kwargs", (path, body, got)

@@ -17,6 +17,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, step_batch
+from minisgl.tokenizer.template_kwargs import check_template_kwargs, control_texts, template_variables
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 from minisgl.utils.trace import TRACE
@@ -95,6 +96,7 @@ class LLM(Scheduler):
         self.status_map: dict[int, RequestStatus] = {}
         self._abort_queue: list[int] = []
         self._progress = GenerateProgress(0, enabled=False)
+        self._template_variables: frozenset[str] | None = None  # what chat_template_kwargs may set
 
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -280,15 +282,26 @@ class LLM(Scheduler):
         conversations: list[list[dict[str, str]]],
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
         use_tqdm: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat
+        template; `chat_template_kwargs`: variables the template reads (e.g. Qwen3's enable_thinking), as the
+        server takes them."""
+        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        return chat_template_ids(self.tokenizer, messages)
+        if chat_template_kwargs:
+            if self._template_variables is None:  # a parse of the template: once
+                self._template_variables = template_variables(self.tokenizer)
+            check_template_kwargs(
+                chat_template_kwargs, self._template_variables, control_texts(self.tokenizer)
+            )
+        return chat_template_ids(self.tokenizer, messages, chat_template_kwargs)
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:
         return {

@@ -27,6 +27,7 @@ class TokenizeMsg:
     # how the chat template ends the prompt: a new assistant message, or the last message continued
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
     return_prompt: bool = False  # the first reply of each choice carries the prompt's token ids and text
 
 
@@ -104,6 +105,7 @@ class TokensMsg:
     token_ids: list[list[int]] | None = None  # each decoded alone
     add_special_tokens: bool = True  # for `texts`: the tokenizer's BOS and the like
     add_generation_prompt: bool = True  # for `messages`: end with the assistant's turn opened
+    chat_template_kwargs: dict[str, Any] | None = None  # for `messages`: more variables for the chat template
     with_pieces: bool = False  # also each token's string in the vocabulary
     skip_special_tokens: bool = False  # for `token_ids`: leave control tokens out of the text
 

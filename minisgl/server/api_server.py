@@ -50,6 +50,7 @@ from minisgl.server.tools import (
     plan_tools,
     stream_delta,
 )
+from minisgl.tokenizer import template_kwargs
 from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
@@ -542,6 +543,8 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
     param = fmt.prompt_param if reply.error_code in prompt_codes else None
     if reply.error_code == "invalid_logit_bias":  # found by the request check, which knows the vocabulary
         param = fmt.sampling_prefix + "logit_bias"
+    if reply.error_code == template_kwargs.CODE:  # found by the tokenizer worker, which knows the template
+        param = template_kwargs.PARAM
     return APIError(reply.error or "the request failed", param, reply.error_code)
 
 
@@ -697,6 +700,8 @@ def create_app(
         except EngineUnavailable as e:
             raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
         if reply.error is not None:
+            if reply.error_code == template_kwargs.CODE:
+                param = template_kwargs.PARAM
             raise APIError(reply.error, param, reply.error_code)
         return reply
 
@@ -737,6 +742,7 @@ def create_app(
             messages=messages,
             tools=tools.template_tools,
             return_prompt=bool(req.return_token_ids),
+            chat_template_kwargs=req.chat_template_kwargs or None,
             **req.template_options,
         )
         fmt = ChatFormat(

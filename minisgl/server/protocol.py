@@ -450,6 +450,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     # vLLM's: how the conversation ends in the prompt (a new assistant message, or the last one continued)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # vLLM's and SGLang's: more variables for the chat template (e.g. Qwen3's enable_thinking); the tokenizer
+    # worker takes only names the template reads (tokenizer/template_kwargs.py)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod

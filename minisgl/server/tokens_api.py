@@ -55,6 +55,7 @@ class TokenizeRequest(_Exact):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
     @field_validator("prompt", mode="before")
@@ -82,13 +83,16 @@ class TokenizeRequest(_Exact):
                 )
             messages = ChatCompletionRequest.model_construct(messages=self.messages).chat()
             generation = self.add_generation_prompt is not False
-            return TokensMsg(0, messages=messages, add_generation_prompt=generation, with_pieces=strs)
-        if self.add_generation_prompt is not None:
-            raise APIError(
-                "add_generation_prompt applies to 'messages', not to 'prompt'",
-                "add_generation_prompt",
-                "invalid_value",
+            return TokensMsg(
+                0,
+                messages=messages,
+                add_generation_prompt=generation,
+                chat_template_kwargs=self.chat_template_kwargs or None,
+                with_pieces=strs,
             )
+        for name in ("add_generation_prompt", "chat_template_kwargs"):
+            if getattr(self, name) is not None:
+                raise APIError(f"{name} applies to 'messages', not to 'prompt'", name, "invalid_value")
         texts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt or [])
         if not texts:
             raise APIError(

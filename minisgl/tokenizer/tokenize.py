@@ -14,6 +14,7 @@ from typing import Any
 from minisgl.core import RequestError
 from minisgl.message.frontend import TokenizeMsg
 from minisgl.scheduler.check import RequestLimits, prompt_too_long
+from minisgl.tokenizer.template_kwargs import check_template_kwargs, control_texts, template_variables
 from minisgl.utils.hf import chat_pieces_ids, render_chat
 
 # a text is tokenized whole up to this many characters per token of context (real text has 3 to 5)
@@ -29,6 +30,7 @@ class TokenizeManager:
         self.tokenizer = tokenizer
         self.limits = limits
         self._controls: list[str] | None = None
+        self._template_variables: frozenset[str] | None = None
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
         """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
@@ -49,8 +51,9 @@ class TokenizeManager:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        pieces = self.render(messages, tools, add_generation_prompt, continue_final_message)
+        pieces = self.render(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
         LengthProof(self, "".join(p for p, _ in pieces)).run()
         return chat_pieces_ids(self.tokenizer, pieces)
 
@@ -60,9 +63,11 @@ class TokenizeManager:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[str, bool]]:
         """The conversation in the chat template as render_chat's pieces; a conversation the template
-        refuses, or one of more messages than the context has tokens, raises RequestError."""
+        refuses, one of more messages than the context has tokens, or template_kwargs the template does not
+        take (template_kwargs.py) raise RequestError."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -73,6 +78,10 @@ class TokenizeManager:
             # every message the template writes is at least one token
             raise prompt_too_long(len(messages) - 1, self.limits.max_seq_len, at_least=True)
         self._refuse_control_text(messages, tools)
+        if template_kwargs:
+            if self._template_variables is None:
+                self._template_variables = template_variables(self.tokenizer)
+            check_template_kwargs(template_kwargs, self._template_variables, self._control_texts())
         try:
             pieces = render_chat(
                 self.tokenizer,
@@ -80,6 +89,7 @@ class TokenizeManager:
                 tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
             )
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
@@ -106,8 +116,7 @@ class TokenizeManager:
 
     def _control_texts(self) -> list[str]:
         if self._controls is None:
-            decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-            self._controls = [t.content for t in decoder.values() if t.special and t.content]
+            self._controls = control_texts(self.tokenizer)
         return self._controls
 
 
@@ -164,7 +173,11 @@ class Tokenization:
         if self._proof is None:
             if msg.messages is not None:
                 self._pieces = manager.render(
-                    msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message
+                    msg.messages,
+                    msg.tools,
+                    msg.add_generation_prompt,
+                    msg.continue_final_message,
+                    msg.chat_template_kwargs,
                 )
                 self._proof = LengthProof(manager, "".join(p for p, _ in self._pieces))
                 return None

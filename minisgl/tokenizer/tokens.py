@@ -63,7 +63,11 @@ def answer_chat(manager: TokenizeManager, msg: TokensMsg) -> TokensReply:
     """The reply to a TokensMsg of a chat; one the server would refuse as a prompt is an error reply."""
     assert msg.messages is not None
     try:
-        ids = manager.apply_chat_template(msg.messages, add_generation_prompt=msg.add_generation_prompt)
+        ids = manager.apply_chat_template(
+            msg.messages,
+            add_generation_prompt=msg.add_generation_prompt,
+            template_kwargs=msg.chat_template_kwargs,
+        )
     except RequestError as e:
         return TokensReply(msg.uid, error=str(e), error_code=e.code)
     return _with_pieces(manager, msg, [ids])

@@ -85,12 +85,14 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def chat_template_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """Token ids of a conversation in the model's chat template, ending with the assistant's turn.
 
     Text a user writes never becomes a control token: see render_chat and chat_pieces_ids.
     """
-    return chat_pieces_ids(tokenizer, render_chat(tokenizer, messages))
+    return chat_pieces_ids(tokenizer, render_chat(tokenizer, messages, template_kwargs=template_kwargs))
 
 
 def render_chat(
@@ -99,6 +101,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[tuple[str, bool]]:
     """The conversation in the chat template as pieces of text, each marked whether it is a message's content.
 
@@ -106,14 +109,15 @@ def render_chat(
     the pieces it leaves: so the template's own text and the users' text are told apart however the
     template is written. (A template that edits a content, trimming it say, sees the placeholder: the
     content reaches the model as it was sent.) `continue_final_message` ends the text right after the last
-    message's content, so the model continues that message.
+    message's content, so the model continues that message. `template_kwargs`: more variables
+    for the template (checked by the caller: tokenizer/template_kwargs.py).
     """
     nonce = uuid.uuid4().hex
     marked = [
         {**m, "content": f"<{nonce}:{i}>"} if isinstance(m.get("content"), str) else m
         for i, m in enumerate(messages)
     ]
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     text = tokenizer.apply_chat_template(
         marked,
         add_generation_prompt=add_generation_prompt,
