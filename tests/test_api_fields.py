@@ -104,6 +104,16 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "stream_options",
     ),
     "cache-salt": ("/v1/completions", {"prompt": "a", "cache_salt": "s"}, "cache_salt"),
+    "special-tokens-kept": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "skip_special_tokens": False},
+        "skip_special_tokens",
+    ),
+    "no-spaces-between-special-tokens": (
+        "/v1/completions",
+        {"prompt": "a", "spaces_between_special_tokens": False},
+        "spaces_between_special_tokens",
+    ),
     "store-true": ("/v1/chat/completions", {"messages": CHAT, "store": True}, "store"),
     "service-tier": ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
     "both-template-flags": (
@@ -488,6 +498,17 @@ def test_chat_template_flags_shape_the_prompt(server: Server, tokenizer: Any) ->
     assert prompt_ids(continue_final_message=True, add_generation_prompt=False) == list(continued)
     assert prompt_ids(continue_final_message=True) == list(continued)
     assert tokenizer.decode(continued).endswith("The answer")
+
+
+def test_skip_special_tokens_true_is_what_the_text_does(server: Server, tokenizer: Any) -> None:
+    """vLLM's default, sent explicitly: control tokens the model samples are left out of the text (false is
+    refused: REFUSED above)."""
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a control token that stops nothing
+    body = {"prompt": PROMPT, "max_tokens": 3, "logit_bias": {str(start): 100}, "return_token_ids": True}
+    for flags in ({}, {"skip_special_tokens": True, "spaces_between_special_tokens": True}):
+        status, got = post(server, "/v1/completions", {**body, **flags})
+        assert status == 200, got
+        assert got["choices"][0]["token_ids"] == [start] * 3 and got["choices"][0]["text"] == ""
 
 
 def test_chat_template_kwargs_reach_the_template_and_the_rest_is_refused(

@@ -288,6 +288,10 @@ class _OpenAIBase(_Strict):
     store: bool | None = None
     # vLLM's: a salt that keeps a request out of other requests' prefix cache; refused, there is no such cache
     cache_salt: str | None = None
+    # vLLM's: how the text shows control tokens; this server's text leaves them out (vLLM's default), so only
+    # that is taken: true, and spaces between them (which then have no effect)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     # vLLM's: the prompt's and the choice's token ids in the answer
     return_token_ids: bool | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
@@ -334,6 +338,14 @@ class _OpenAIBase(_Strict):
                 "cache_salt",
                 "unsupported_parameter",
             )
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if getattr(self, name) is False:
+                raise APIError(
+                    f"{name}: false is not supported; the text leaves control tokens out (true, the default); "
+                    "ask for return_token_ids to see every token",
+                    name,
+                    "unsupported_parameter",
+                )
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, names: dict[str, str] = _OPENAI_NAMES
