@@ -500,6 +500,16 @@ def test_chat_template_flags_shape_the_prompt(server: Server, tokenizer: Any) ->
     assert tokenizer.decode(continued).endswith("The answer")
 
 
+def test_add_special_tokens_reaches_the_tokenizer(server: Server, tokenizer: Any) -> None:
+    """vLLM's add_special_tokens on a text prompt: the prompt's ids as `encode` gives them either way (the tiny
+    tokenizer adds nothing; tests/test_add_special_tokens.py has one that adds its BOS)."""
+    for flag in (True, False):
+        body = {"prompt": PROMPT, "max_tokens": 1, "add_special_tokens": flag, "return_token_ids": True}
+        status, got = post(server, "/v1/completions", body)
+        assert status == 200, got
+        assert got["choices"][0]["prompt_token_ids"] == tokenizer.encode(PROMPT, add_special_tokens=flag)
+
+
 def test_skip_special_tokens_true_is_what_the_text_does(server: Server, tokenizer: Any) -> None:
     """vLLM's default, sent explicitly: control tokens the model samples are left out of the text (false is
     refused: REFUSED above)."""

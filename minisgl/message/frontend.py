@@ -28,6 +28,7 @@ class TokenizeMsg:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+    add_special_tokens: bool = True  # for `text`: the tokenizer's BOS and the like, as `encode` adds them
     return_prompt: bool = False  # the first reply of each choice carries the prompt's token ids and text
 
 

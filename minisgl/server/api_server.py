@@ -772,7 +772,8 @@ def create_app(
             # the prompt's tokens come with their log-probabilities, as OpenAI's echo gives them
             params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
         return_prompt = bool(req.echo or req.return_token_ids)
-        msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt)
+        special = req.add_special_tokens is not False
+        msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt, special)
         fmt = CompletionFormat(
             model,
             n,
@@ -845,12 +846,15 @@ async def off_loop(read: Callable[[bytes], R], body: bytes) -> R:
 
 
 def _prompt_msgs(
-    prompts: list[Prompt], params: list[SamplingParams], return_prompt: bool = False
+    prompts: list[Prompt],
+    params: list[SamplingParams],
+    return_prompt: bool = False,
+    add_special_tokens: bool = True,
 ) -> list[TokenizeMsg]:
     """One message a prompt, carrying its choices: the group's replies come every choice of the first
-    prompt, then of the next."""
+    prompt, then of the next. `add_special_tokens`: for text prompts (token ids are taken as they are)."""
     return [
-        TokenizeMsg(params, text=p, return_prompt=return_prompt)
+        TokenizeMsg(params, text=p, return_prompt=return_prompt, add_special_tokens=add_special_tokens)
         if isinstance(p, str)
         else TokenizeMsg(params, input_ids=p, return_prompt=return_prompt)
         for p in prompts

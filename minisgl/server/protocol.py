@@ -554,6 +554,8 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: whether a text prompt gets the tokenizer's special tokens (its BOS); default true
+    add_special_tokens: bool | None = None
 
     @field_validator("prompt")
     @classmethod

@@ -186,4 +186,4 @@ class Tokenization:
             return None
         if self._pieces is not None:
             return chat_pieces_ids(manager.tokenizer, self._pieces)
-        return list(manager.tokenizer.encode(msg.text))
+        return list(manager.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens))
