@@ -45,24 +45,31 @@ def tp_llm(folder: str, tp: int = 2, **kwargs: object) -> LLM:
             for v in ("llama", "qwen3", "qwen2-tied", "qwen3-mqa-head-dim", "qwen3-moe", "qwen3-moe-mixed")
         ),
         ("qwen3", "triton"),
+        ("qwen3", "triton-graphs"),
     ],
 )
 def test_greedy_tokens_at_tp2_equal_transformers(
     variant: str, kernels: str, tiny_model: Callable[[str], str], hf_reference: Reference, monkeypatch
 ) -> None:
     prompts, steps = PROMPTS, 8
-    if kernels == "triton":
+    graphs: dict[str, object] = {}
+    if kernels.startswith("triton"):
         from minisgl.env import ENV
 
         monkeypatch.setenv("MINISGL_KERNELS", "triton")  # the rank processes' (TRITON_INTERPRET: conftest.py)
         monkeypatch.setattr(ENV.KERNELS, "value", "triton")
         prompts, steps = PROMPTS[:3], 4
+    if kernels == "triton-graphs":  # every rank replays emulated graphs: the all-reduce inside them
+        monkeypatch.setenv("MINISGL_EMULATE_GRAPHS", "1")
+        monkeypatch.setattr(ENV.EMULATE_GRAPHS, "value", True)
+        graphs = dict(cuda_graph_bs=[4], cuda_graph_max_bs=4, cuda_graph_max_prefill=16)
     folder = tiny_model(variant)
-    llm = tp_llm(folder, page_size=4)
+    llm = tp_llm(folder, page_size=4, **graphs)
     try:
         out = llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
         assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, steps)
         assert_nothing_held(llm)
+        assert bool(llm.engine.graph_runner.graphs) == bool(graphs)
     finally:
         llm.shutdown()
     assert not llm._ranks or not llm._ranks.procs
