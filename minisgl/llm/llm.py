@@ -17,7 +17,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, step_batch
-from minisgl.tokenizer.template_kwargs import check_template_kwargs, control_texts, template_variables
+from minisgl.tokenizer.template_kwargs import TemplateKwargsCheck
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 from minisgl.utils.trace import TRACE
@@ -96,7 +96,7 @@ class LLM(Scheduler):
         self.status_map: dict[int, RequestStatus] = {}
         self._abort_queue: list[int] = []
         self._progress = GenerateProgress(0, enabled=False)
-        self._template_variables: frozenset[str] | None = None  # what chat_template_kwargs may set
+        self._check_template_kwargs = TemplateKwargsCheck(self.tokenizer)
 
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -296,11 +296,7 @@ class LLM(Scheduler):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
         if chat_template_kwargs:
-            if self._template_variables is None:  # a parse of the template: once
-                self._template_variables = template_variables(self.tokenizer)
-            check_template_kwargs(
-                chat_template_kwargs, self._template_variables, control_texts(self.tokenizer)
-            )
+            self._check_template_kwargs(chat_template_kwargs)
         return chat_template_ids(self.tokenizer, messages, chat_template_kwargs)
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:

@@ -76,3 +76,24 @@ def check_template_kwargs(kwargs: dict[str, Any], allowed: frozenset[str], contr
             raise RequestError(
                 f"chat_template_kwargs spells the control token {token!r}; remove it", PARAM, CODE
             )
+
+
+class TemplateKwargsCheck:
+    """check_template_kwargs for one tokenizer, its template parsed and its control tokens listed once (the
+    tokenizer worker's and the offline LLM's)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._allowed: frozenset[str] | None = None
+        self._controls: list[str] | None = None
+
+    @property
+    def controls(self) -> list[str]:
+        if self._controls is None:
+            self._controls = control_texts(self.tokenizer)
+        return self._controls
+
+    def __call__(self, kwargs: dict[str, Any]) -> None:
+        if self._allowed is None:
+            self._allowed = template_variables(self.tokenizer)
+        check_template_kwargs(kwargs, self._allowed, self.controls)

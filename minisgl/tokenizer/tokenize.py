@@ -14,7 +14,7 @@ from typing import Any
 from minisgl.core import RequestError
 from minisgl.message.frontend import TokenizeMsg
 from minisgl.scheduler.check import RequestLimits, prompt_too_long
-from minisgl.tokenizer.template_kwargs import check_template_kwargs, control_texts, template_variables
+from minisgl.tokenizer.template_kwargs import TemplateKwargsCheck
 from minisgl.utils.hf import chat_pieces_ids, render_chat
 
 # a text is tokenized whole up to this many characters per token of context (real text has 3 to 5)
@@ -29,8 +29,7 @@ class TokenizeManager:
     def __init__(self, tokenizer: Any, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self._controls: list[str] | None = None
-        self._template_variables: frozenset[str] | None = None
+        self.check_template_kwargs = TemplateKwargsCheck(tokenizer)
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
         """The prompt's token ids (checked by check_request afterwards); a chat the template refuses, or a
@@ -79,9 +78,7 @@ class TokenizeManager:
             raise prompt_too_long(len(messages) - 1, self.limits.max_seq_len, at_least=True)
         self._refuse_control_text(messages, tools)
         if template_kwargs:
-            if self._template_variables is None:
-                self._template_variables = template_variables(self.tokenizer)
-            check_template_kwargs(template_kwargs, self._template_variables, self._control_texts())
+            self.check_template_kwargs(template_kwargs)
         try:
             pieces = render_chat(
                 self.tokenizer,
@@ -106,18 +103,13 @@ class TokenizeManager:
         if not tools and not calls:
             return
         text = json.dumps([tools, calls], ensure_ascii=False)
-        for token in self._control_texts():
+        for token in self.check_template_kwargs.controls:
             if token in text:
                 raise RequestError(
                     f"the tools or tool calls spell the control token {token!r}; remove it",
                     None,
                     "invalid_messages",
                 )
-
-    def _control_texts(self) -> list[str]:
-        if self._controls is None:
-            self._controls = control_texts(self.tokenizer)
-        return self._controls
 
 
 class LengthProof:
