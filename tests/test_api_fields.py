@@ -114,6 +114,22 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"prompt": "a", "spaces_between_special_tokens": False},
         "spaces_between_special_tokens",
     ),
+    # this server runs without --reasoning-parser: its answers keep the reasoning in the content
+    "separate-reasoning-without-a-parser": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "separate_reasoning": True},
+        "separate_reasoning",
+    ),
+    "reasoning-held-without-a-parser": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": True, "stream_reasoning": False},
+        "stream_reasoning",
+    ),
+    "reasoning-of-a-user": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a", "reasoning_content": "hm"}]},
+        "messages[0].reasoning_content",
+    ),
     "store-true": ("/v1/chat/completions", {"messages": CHAT, "store": True}, "store"),
     "service-tier": ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
     "both-template-flags": (
@@ -188,7 +204,13 @@ def test_no_op_fields_of_openai_clients_change_nothing(server: Server, name: str
         metadata={"k": "v"},
         store=False,
         service_tier="auto",
-        extra_body={"safety_identifier": "s", "prompt_cache_key": "p"},
+        # what this server does without a reasoning parser, said explicitly
+        extra_body={
+            "safety_identifier": "s",
+            "prompt_cache_key": "p",
+            "separate_reasoning": False,
+            "stream_reasoning": True,
+        },
     )
     assert noted.choices[0].message.content == plain.choices[0].message.content
     # an answer's message sent back as the client got it (its null fields included), and a speaker's name

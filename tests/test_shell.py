@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from minisgl.server.args import parse_args
 from minisgl.server.client import EngineClient, ServeInfo
 from minisgl.server.launch import ServerProcesses
 from minisgl.server.shell import ChatShell
+from minisgl.tokenizer.reasoning import reasoning_format
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -121,6 +123,32 @@ def test_shell_streams_replies_keeps_history_and_resets(
     assert "(new conversation)" in out.text and "unknown command /nope" in out.text
     pieces = [w for w in out.writes if w and w in reply1]
     assert len(pieces) > 1  # the reply was written as it streamed, not at once
+
+
+def test_shell_shows_the_reasoning_apart_and_keeps_only_the_answer(
+    processes: tuple[ServerProcesses, ServeInfo],
+) -> None:
+    procs, info = processes
+    info = replace(info, reasoning=reasoning_format("qwen3"))
+    # the tiny model made to think, then answer
+    params = SamplingParams(max_tokens=60, regex=r"<think>\nHm, 2\.\n</think>\n\nTwo\.")
+    out = Recorder()
+
+    async def run() -> ChatShell:
+        client = EngineClient(procs.addrs.requests, procs.addrs.replies)
+        client.start()
+        try:
+            with create_pipe_input() as pipe:
+                session: PromptSession = PromptSession(input=pipe, output=DummyOutput())
+                shell = ChatShell(client, info, session, out, params)  # type: ignore[arg-type]
+                await _drive(shell, pipe, ["one plus one?", "/exit"])
+                return shell
+        finally:
+            client.close()
+
+    shell = asyncio.run(run())
+    assert shell.history[-1] == {"role": "assistant", "content": "Two."}
+    assert "(thinking: Hm, 2.)\nTwo.\n" in out.text
 
 
 def _read_until(fd: int, pattern: str, timeout: float) -> str:

@@ -30,6 +30,9 @@ class TokenizeMsg:
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
     add_special_tokens: bool = True  # for `text`: the tokenizer's BOS and the like, as `encode` adds them
     return_prompt: bool = False  # the first reply of each choice carries the prompt's token ids and text
+    # a chat whose reasoning is split from its answer (the reasoning format's name): the first reply says
+    # whether the prompt opens it
+    reasoning: str | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class UserReply:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # with the first reply, when TokenizeMsg.reasoning is set: the prompt ends inside a reasoning block
+    reasoning_open: bool | None = None
 
 
 def merge_replies(first: UserReply, later: UserReply) -> UserReply:
@@ -86,6 +91,7 @@ def merge_replies(first: UserReply, later: UserReply) -> UserReply:
         else later.prompt_token_ids,
         prompt_text=first.prompt_text if first.prompt_text is not None else later.prompt_text,
         prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs,
+        reasoning_open=first.reasoning_open if first.reasoning_open is not None else later.reasoning_open,
     )
 
 

@@ -51,6 +51,7 @@ from minisgl.server.tools import (
     stream_delta,
 )
 from minisgl.tokenizer import template_kwargs
+from minisgl.tokenizer.reasoning import ReasoningFormat, ReasoningParser
 from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
@@ -74,6 +75,7 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    reasoning_open: bool | None = None
 
     @property
     def text(self) -> str:
@@ -92,6 +94,8 @@ class Choice:
             self.prompt_token_ids, self.prompt_text = reply.prompt_token_ids, reply.prompt_text
         if reply.prompt_logprobs is not None:
             self.prompt_logprobs = reply.prompt_logprobs
+        if reply.reasoning_open is not None:
+            self.reasoning_open = reply.reasoning_open
         if reply.finished:
             self.finish_reason, self.error = reply.finish_reason, reply.error
             self.matched_stop, self.matched_eos = reply.matched_stop, reply.matched_eos
@@ -239,11 +243,20 @@ class ChatFormat(_Format):
     object = "chat.completion.chunk"
 
     def __init__(
-        self, model: str, n: int, include_usage: bool, tools: ToolPlan | None = None, **options: Any
+        self,
+        model: str,
+        n: int,
+        include_usage: bool,
+        tools: ToolPlan | None = None,
+        reasoning: ReasoningFormat | None = None,
+        stream_reasoning: bool = True,
+        **options: Any,
     ) -> None:
         super().__init__(model, n, include_usage, **options)
         self.tools = tools or ToolPlan()
+        self.reasoning, self.stream_reasoning = reasoning, stream_reasoning
         self._parsers: dict[int, ToolCallParser] = {}
+        self._reasoners: dict[int, ReasoningParser] = {}
 
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         out = []
@@ -255,12 +268,15 @@ class ChatFormat(_Format):
                 first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
             out.append(first)
         with_ids = self.return_token_ids and bool(reply.token_ids)
+        reasoning, text = self._split(i, reply)
+        deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
         fmt, has_calls = self.tools.format, False
         if fmt is None:
-            deltas = [{"content": reply.text}] if reply.text or reply.logprobs or with_ids else []
+            if text or (not deltas and (reply.logprobs or with_ids)):
+                deltas.append({"content": text})
         else:
             parser = self._parsers.setdefault(i, ToolCallParser(fmt, self.tools.max_calls))
-            deltas = [stream_delta(d) for d in parser.feed(reply.text)]
+            deltas += [stream_delta(d) for d in parser.feed(text)]
             if reply.finished:
                 deltas += [stream_delta(d) for d in parser.finish()]
             if (reply.logprobs or with_ids) and not deltas:
@@ -284,6 +300,16 @@ class ChatFormat(_Format):
             )
         return out
 
+    def _split(self, i: int, reply: UserReply) -> tuple[str, str]:
+        """The reply's new text as (reasoning, answer); all answer when the reasoning is not split."""
+        if self.reasoning is None:
+            return "", reply.text
+        parser = self._reasoners.get(i)
+        if parser is None:  # this is the choice's first reply, which says where the prompt left off
+            parser = ReasoningParser(self.reasoning, bool(reply.reasoning_open), self.stream_reasoning)
+            self._reasoners[i] = parser
+        return parser.step(reply.text, reply.finished)
+
     def _choice(
         self,
         i: int,
@@ -306,7 +332,12 @@ class ChatFormat(_Format):
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         entries = []
         for i, c in enumerate(choices):
-            message, has_calls = answer_message(c.text, self.tools)
+            text, reasoning = c.text, None
+            if self.reasoning is not None:
+                reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
+            message, has_calls = answer_message(text, self.tools)
+            if self.reasoning is not None:
+                message["reasoning_content"] = reasoning or None
             entry = {
                 "index": i,
                 "message": message,
@@ -731,6 +762,7 @@ def create_app(
         model = model_of(req.model)
         texts, n = req.chat(), req.num_choices
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, info.tools)
+        reasoning, stream_reasoning = req.reasoning_plan(info.reasoning)
         messages = tools.messages(chat_messages(texts, req.messages))
         params = tools.constrain(req.sampling_params())
         if req.max_completion_tokens is not None:
@@ -743,6 +775,7 @@ def create_app(
             tools=tools.template_tools,
             return_prompt=bool(req.return_token_ids),
             chat_template_kwargs=req.chat_template_kwargs or None,
+            reasoning=None if reasoning is None else reasoning.name,
             **req.template_options,
         )
         fmt = ChatFormat(
@@ -750,6 +783,8 @@ def create_app(
             n,
             req.include_usage,
             tools,
+            reasoning,
+            stream_reasoning,
             logprobs_asked=params.logprobs is not None,
             **format_options(req),
         )

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from minisgl.env import ENV
+from minisgl.tokenizer.reasoning import ALIASES as REASONING_ALIASES
+from minisgl.tokenizer.reasoning import FORMATS as REASONING_FORMATS
 from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser
 from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
@@ -48,6 +50,7 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port of torch.distributed's rendezvous (node 0 listens)
     trace: str | None = None
     tool_call_parser: str | None = None  # None: told by the model's chat template and architecture
+    reasoning_parser: str | None = None  # a thinking model's reasoning in its own field; None: in the content
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
     # the request bodies held at once, read or being read and not yet parsed
@@ -243,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=sorted(FORMATS),
         help="the format the model writes tool calls in (default: told by its chat template and architecture)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted([*REASONING_FORMATS, *REASONING_ALIASES]),
+        help="answer a thinking model's <think> text in reasoning_content, apart from the content (default: "
+        "off, the reasoning stays in the content)",
     )
     p.add_argument(
         "--trace",

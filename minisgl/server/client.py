@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokensMsg, TokensReply, UserReply
 from minisgl.server.metrics import Metrics
+from minisgl.tokenizer.reasoning import ReasoningFormat
 from minisgl.tokenizer.tool_parser import ToolSupport
 from minisgl.utils.logger import init_logger
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue
@@ -34,6 +35,7 @@ class ServeInfo:
     other_names: list[str] = field(default_factory=list)  # --served-model-name's names after the first
     stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
     tools: ToolSupport = field(default_factory=ToolSupport)  # how the model takes tools
+    reasoning: ReasoningFormat | None = None  # how a chat's reasoning is split from its answer (None: not)
 
     @property
     def served_names(self) -> list[str]:

@@ -32,6 +32,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp
 from minisgl.server.args import ServerArgs
 from minisgl.server.client import EngineClient, ServeInfo
+from minisgl.tokenizer.reasoning import reasoning_format
 from minisgl.tokenizer.tool_parser import ToolSupport
 from minisgl.tokenizer.worker import WorkerAddrs
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, EXPECTED_ERRORS, CommandError
@@ -365,6 +366,7 @@ def serve(args: ServerArgs) -> int:
             other_names=names[1:],
             stats=model.stats,
             tools=tools,
+            reasoning=None if args.reasoning_parser is None else reasoning_format(args.reasoning_parser),
         )
         if args.shell:
             from minisgl.server.shell import run_shell

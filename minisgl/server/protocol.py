@@ -25,6 +25,7 @@ from pydantic import (
 from minisgl.constrained.grammar import check_grammar, choice_regex
 from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, RequestError, SamplingParams, fold_seed
 from minisgl.scheduler.check import prompt_too_long
+from minisgl.tokenizer.reasoning import ReasoningFormat
 
 MAX_N = 128  # choices per prompt
 # completions a call (prompts x n): each is a request of its own in the queue, its state held until the call
@@ -444,6 +445,9 @@ class ChatMessage(_Strict):
     # an assistant's earlier calls and a tool's result (checked in server/tools.py)
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    # an assistant's earlier reasoning as a server with a reasoning parser answered it: given to the chat
+    # template, which keeps or drops it (Qwen3's keeps it only after the last user message)
+    reasoning_content: str | None = None
 
 
 # vLLM's default: the prompt ends with the assistant's header, so the model writes a new message
@@ -465,6 +469,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     # vLLM's and SGLang's: more variables for the chat template (e.g. Qwen3's enable_thinking); the tokenizer
     # worker takes only names the template reads (tokenizer/template_kwargs.py)
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: the reasoning in reasoning_content (default, with --reasoning-parser), and streamed as it comes
+    # or whole once it ends
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -506,8 +514,43 @@ class ChatCompletionRequest(_OpenAIRequest):
             message = {"role": m.role, "content": _text_content(m, i)}
             if m.name is not None:
                 message["name"] = m.name
+            if m.reasoning_content is not None:
+                if m.role != "assistant":
+                    raise APIError(
+                        f"messages[{i}].reasoning_content belongs to assistant messages",
+                        f"messages[{i}].reasoning_content",
+                        "invalid_value",
+                    )
+                message["reasoning_content"] = m.reasoning_content
             out.append(message)
         return out
+
+    def reasoning_plan(self, fmt: ReasoningFormat | None) -> tuple[ReasoningFormat | None, bool]:
+        """The reasoning format the answer is split by (None: not split) and whether the reasoning streams
+        as it comes; fields asking for a split the server does not make are an APIError."""
+        if fmt is None:
+            # what the server does without a parser (no split, everything streamed) is taken as said
+            asked = [("separate_reasoning", True)] if self.separate_reasoning else []
+            asked += [("stream_reasoning", False)] if self.stream_reasoning is False else []
+            if asked:
+                name, value = asked[0]
+                raise APIError(
+                    f"{name}: {str(value).lower()} needs a reasoning parser; start the server with "
+                    "--reasoning-parser (qwen3 or deepseek-r1)",
+                    name,
+                    "unsupported_parameter",
+                )
+            return None, True
+        if self.separate_reasoning is False:
+            if self.stream_reasoning is False:
+                raise APIError(
+                    "stream_reasoning: false holds back the reasoning in its own field, which "
+                    "separate_reasoning: false turns off; set one of them",
+                    "stream_reasoning",
+                    "invalid_value",
+                )
+            return None, True
+        return fmt, self.stream_reasoning is not False
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -16,6 +16,7 @@ from prompt_toolkit import PromptSession
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import TokenizeMsg
 from minisgl.server.client import EngineClient, ServeInfo
+from minisgl.tokenizer.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
     from minisgl.server.launch import ServerProcesses
@@ -64,16 +65,35 @@ class ChatShell:
 
     async def _turn(self, line: str) -> None:
         self.history.append({"role": "user", "content": line})
-        msg = TokenizeMsg([self.params], messages=list(self.history))
+        fmt = self.info.reasoning
+        msg = TokenizeMsg(
+            [self.params], messages=list(self.history), reasoning=None if fmt is None else fmt.name
+        )
         group = self.client.submit([msg])
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, group.close)  # Ctrl-C aborts this reply only
         text, reply = "", None
+        parser: ReasoningParser | None = None
+        thinking = False  # the reasoning's parenthesis is open
         try:
             while reply is None or not reply.finished:
                 _, reply = await group.get()
-                text += reply.text
-                self._write(reply.text)
+                if fmt is None:
+                    text += reply.text
+                    self._write(reply.text)
+                    continue
+                # with a reasoning parser the reasoning is shown in parentheses and left out of the history,
+                # as Qwen3's and DeepSeek-R1's model cards ask of a conversation
+                parser = parser or ReasoningParser(fmt, bool(reply.reasoning_open))
+                reasoning, answer = parser.step(reply.text, reply.finished)
+                if reasoning:
+                    self._write(reasoning if thinking else "(thinking: " + reasoning)
+                    thinking = True
+                if thinking and (answer or reply.finished):
+                    self._write(")\n")
+                    thinking = False
+                text += answer
+                self._write(answer)
         finally:
             loop.remove_signal_handler(signal.SIGINT)
             group.close()

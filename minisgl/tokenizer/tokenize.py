@@ -158,6 +158,11 @@ class Tokenization:
         self._pieces: list[tuple[str, bool]] | None = None
         self._proof: LengthProof | None = None
 
+    @property
+    def rendered(self) -> str | None:
+        """A chat's prompt as the template wrote it (None for other prompts, or before the first step)."""
+        return None if self._pieces is None else "".join(p for p, _ in self._pieces)
+
     def step(self) -> list[int] | None:
         msg, manager = self.msg, self.manager
         if msg.messages is None and msg.text is None:

@@ -39,6 +39,7 @@ from minisgl.message.frontend import (
 from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
+from minisgl.tokenizer.reasoning import prompt_opens, reasoning_format
 from minisgl.tokenizer.tokenize import Tokenization, TokenizeManager
 from minisgl.tokenizer.tokens import TokensJob
 from minisgl.utils.logger import init_logger
@@ -66,6 +67,7 @@ class _Request:
     completion_tokens: int = 0
     # sent with the first reply, then dropped (TokenizeMsg.return_prompt)
     prompt: tuple[list[int], str] | None = None
+    reasoning_open: bool | None = None  # sent with the first reply, then dropped (TokenizeMsg.reasoning)
     in_step: bool = False  # a message of the step being gathered is this request's
 
 
@@ -162,7 +164,7 @@ class TokenizerWorker:
                         for uid in job.msg.uids:
                             del self._pending_uids[uid]
                         if ids is not None:
-                            to_scheduler += self._requests_of(job.msg, ids, replies)
+                            to_scheduler += self._requests_of(job, ids, replies)
             if call:
                 self.pending.append(call)
             if time.monotonic() >= end:
@@ -193,10 +195,14 @@ class TokenizerWorker:
         return True, None
 
     def _requests_of(
-        self, msg: TokenizeMsg, ids: list[int], replies: list[UserReply | TokensReply]
+        self, job: Tokenization, ids: list[int], replies: list[UserReply | TokensReply]
     ) -> list[BaseBackendMsg]:
         """The scheduler's requests for a prompt's choices; the prompt was tokenized once for all of them."""
+        msg = job.msg
         out: list[BaseBackendMsg] = []
+        reasoning_open = None
+        if msg.reasoning is not None:
+            reasoning_open = prompt_opens(reasoning_format(msg.reasoning), job.rendered or "")
         for uid, params in zip(msg.uids, msg.sampling_params):
             try:
                 # checked here too, so a bad request is answered before anything is queued
@@ -209,6 +215,7 @@ class TokenizerWorker:
             if msg.return_prompt:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
                 self.requests[uid].prompt = (ids, text)
+            self.requests[uid].reasoning_open = reasoning_open
             out.append(UserMsg(uid, ids, params))
             TRACE.point(uid, "tokenize")
         return out
@@ -275,6 +282,8 @@ class TokenizerWorker:
         if req.prompt is not None:
             reply.prompt_token_ids, reply.prompt_text = req.prompt
             req.prompt = None
+        if req.reasoning_open is not None:
+            reply.reasoning_open, req.reasoning_open = req.reasoning_open, None
         if msg.prompt_logprobs is not None:
             reply.prompt_logprobs = [
                 TokenLogprob(

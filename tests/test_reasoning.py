@@ -1,0 +1,202 @@
+"""A thinking model's reasoning apart from its answer (`--reasoning-parser`): the parser on its own, fed in
+pieces of every size, and a real server whose tiny model is made to write a `<think>` block (a regex
+constraint spells it), read through the openai client, streamed and whole."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from test_server import SERVER_ARGS, Server
+
+from minisgl.tokenizer.reasoning import ReasoningParser, prompt_opens, reasoning_format
+
+QWEN3 = reasoning_format("qwen3")
+R1 = reasoning_format("deepseek_r1")  # vLLM's spelling of SGLang's deepseek-r1
+
+
+def split(text: str, fmt=QWEN3, prompt_open: bool = False, piece: int = 1, stream: bool = True):
+    """(reasoning, content, how many pieces of reasoning came out) of `text` fed `piece` characters a call."""
+    parser = ReasoningParser(fmt, prompt_open, stream)
+    reasoning = content = ""
+    given = 0
+    for at in range(0, len(text), piece):
+        r, c = parser.feed(text[at : at + piece])
+        reasoning, content, given = reasoning + r, content + c, given + bool(r)
+    r, c = parser.finish()
+    return reasoning + r, content + c, given + bool(r)
+
+
+THOUGHT = "<think>\nFirst 2, then 2 more.\n\nSo 4.\n</think>\n\nThe answer is 4."
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 1000])
+def test_the_split_is_the_same_whatever_pieces_the_text_comes_in(piece: int) -> None:
+    reasoning, content, _ = split(THOUGHT, piece=piece)
+    assert (reasoning, content) == ("First 2, then 2 more.\n\nSo 4.", "The answer is 4.")
+
+
+def test_where_the_reasoning_starts() -> None:
+    # no block: all answer, as written
+    assert split("\n\nJust the answer.")[:2] == ("", "\n\nJust the answer.")
+    # a prompt that ends inside <think> (a thinking template, or an assistant message continued)
+    assert split("more thought</think>answer", prompt_open=True)[:2] == ("more thought", "answer")
+    # ... and a model that writes the tag again anyway
+    assert split("<think>x</think>y", prompt_open=True)[:2] == ("x", "y")
+    # DeepSeek-R1 thinks from the start whatever the prompt says
+    assert split("thought</think>answer", fmt=R1)[:2] == ("thought", "answer")
+    # a Qwen3 prompt that closed the block itself (enable_thinking false) leaves the output all answer
+    assert not prompt_opens(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt_opens(QWEN3, "<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens(QWEN3, "<|im_start|>assistant\n")
+
+
+def test_an_output_cut_inside_the_reasoning_is_all_reasoning() -> None:
+    for piece in (1, 4, 100):
+        assert split("<think>\nstill thinking</thi", piece=piece)[:2] == ("still thinking</thi", "")
+    # a tag begun but never finished is text
+    assert split("<thin")[:2] == ("", "<thin")
+    assert split("<think>")[:2] == ("", "")
+
+
+def test_text_like_a_tag_is_not_one() -> None:
+    assert split("<think>a </th b</think> c")[:2] == ("a </th b", "c")
+    assert split("answer with <think> inside")[:2] == ("", "answer with <think> inside")
+
+
+def test_whitespace_is_held_until_text_follows_it() -> None:
+    parser = ReasoningParser(QWEN3, False)
+    assert parser.feed("<think>\n") == ("", "")
+    assert parser.feed("a \n") == ("a", "")
+    assert parser.feed("b") == (" \nb", "")
+    assert parser.feed("\n</think>\n\n") == ("", "")
+    assert parser.feed(" ok") == ("", "ok")
+
+
+def test_reasoning_not_streamed_comes_whole_when_it_ends() -> None:
+    reasoning, content, given = split(THOUGHT, stream=False)
+    assert (reasoning, content, given) == ("First 2, then 2 more.\n\nSo 4.", "The answer is 4.", 1)
+    assert split("<think>abc def", stream=False)[::2] == ("abc def", 1)
+    assert split(THOUGHT)[2] > 5
+
+
+# ---- a real server --------------------------------------------------------------------------------
+CHAT = [{"role": "user", "content": "hello world"}]
+# what the constraint makes the tiny model write: a block, then the answer
+FORCED = r"<think>\nI add 2 and 2\.\n</think>\n\nIt is 4\."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Callable[[str], str]) -> Iterator[Server]:
+    s = Server(["--model", tiny_model("llama"), *SERVER_ARGS, "--reasoning-parser", "qwen3"])
+    s.name = s.client().models.list().data[0].id
+    yield s
+    s.stop()
+
+
+def chat(server: Server, **extra: Any) -> Any:
+    body = {"regex": FORCED, **extra.pop("extra_body", {})}
+    messages = extra.pop("messages", CHAT)
+    max_tokens = extra.pop("max_tokens", 80)
+    return server.client().chat.completions.create(
+        model=server.name, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=body, **extra
+    )
+
+
+def stream_parts(server: Server, **extra: Any) -> tuple[list[str], str]:
+    """The reasoning deltas of a stream and its content joined."""
+    reasoning, content = [], ""
+    for chunk in chat(server, stream=True, **extra):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        piece = getattr(delta, "reasoning_content", None)
+        if piece:
+            reasoning.append(piece)
+        content += delta.content or ""
+    return reasoning, content
+
+
+def test_the_answer_and_its_reasoning_in_their_fields(server: Server) -> None:
+    message = chat(server).choices[0].message
+    assert message.content == "It is 4."
+    assert message.reasoning_content == "I add 2 and 2."
+    pieces, content = stream_parts(server)
+    # (how many pieces depends on how the stream's writes coalesce: the parser's tests count them)
+    assert "".join(pieces) == "I add 2 and 2."
+    assert content == "It is 4."
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_piece(server: Server) -> None:
+    pieces, content = stream_parts(server, extra_body={"stream_reasoning": False})
+    assert pieces == ["I add 2 and 2."] and content == "It is 4."
+
+
+def test_separate_reasoning_false_leaves_the_text_as_written(server: Server) -> None:
+    message = chat(server, extra_body={"separate_reasoning": False}).choices[0].message
+    assert message.content == "<think>\nI add 2 and 2.\n</think>\n\nIt is 4."
+    assert getattr(message, "reasoning_content", None) is None
+    assert stream_parts(server, extra_body={"separate_reasoning": False}) == ([], message.content)
+    status, got = server.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": CHAT, "stream": True, "separate_reasoning": False, "stream_reasoning": False}
+        ).encode(),
+    )
+    assert status == 400 and got["error"]["param"] == "stream_reasoning"
+
+
+def test_a_prompt_left_inside_the_block_makes_the_output_reasoning_first(server: Server) -> None:
+    # the assistant's message continued from inside its <think>: only </think> comes out
+    messages = [*CHAT, {"role": "assistant", "content": "<think>\nLet me see."}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "regex": r" Two\.</think>Four\."}
+    message = chat(server, messages=messages, extra_body=extra).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Two.", "Four.")
+    pieces, content = stream_parts(server, messages=messages, extra_body=extra)
+    assert ("".join(pieces), content) == ("Two.", "Four.")
+
+
+def test_thinking_switched_off_by_the_template_is_all_answer(server: Server) -> None:
+    body = {"chat_template_kwargs": {"enable_thinking": False}, "regex": "Four\\."}
+    message = chat(server, extra_body=body).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, "Four.")
+
+
+def test_an_answer_sent_back_with_its_reasoning_is_taken(server: Server) -> None:
+    first = chat(server).choices[0].message
+    history = [*CHAT, first.model_dump(exclude={"tool_calls"}), {"role": "user", "content": "and?"}]
+    assert history[1]["reasoning_content"] == "I add 2 and 2."
+    again = chat(server, messages=history).choices[0].message
+    assert again.content == "It is 4."
+
+
+def literal(text: str) -> str:
+    """A regex matching exactly `text`."""
+    return "".join("\\" + ch if ch in "\\.^$*+?()[]{}|" else ch for ch in text)
+
+
+def test_tool_calls_are_read_from_the_answer_not_the_reasoning(server: Server) -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    # a call spelled inside the reasoning is thought, not a call
+    extra = {
+        "tools": [tool],
+        "max_tokens": 300,
+        "extra_body": {"regex": literal(f"<think>{call}</think>{call}")},
+    }
+    choice = chat(server, **extra).choices[0]
+    assert choice.message.reasoning_content == call
+    assert choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls] == ["add"]
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2}
+    assert not choice.message.content
+    reasoning, names, finish = "", [], None
+    for chunk in chat(server, stream=True, **extra):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            names += [t.function.name for t in c.delta.tool_calls or [] if t.function and t.function.name]
+            finish = c.finish_reason or finish
+    assert (reasoning, names, finish) == (call, ["add"], "tool_calls")
