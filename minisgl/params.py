@@ -81,6 +81,7 @@ class SamplingParams:
     json_schema: str | None = _param(None, "the output is JSON that this JSON schema (a string) accepts")
     regex: str | None = _param(None, "the output matches this regular expression")
     ebnf: str | None = _param(None, "the output is a sentence of this EBNF grammar (root rule: root)")
+    skip_special_tokens: bool = _param(True, "leave control tokens (<|im_end|> and the like) out of the text")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +134,8 @@ class SamplingParams:
                 "stop_token_ids",
                 f"at most {MAX_STOP_TOKEN_IDS} stop token ids, each an integer in [0, 2**63 - 1]",
             )
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "it must be true or false")
         if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
         if self.prompt_logprobs is not None and not is_int(self.prompt_logprobs, 0, 20):

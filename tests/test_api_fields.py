@@ -104,9 +104,9 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "stream_options",
     ),
     "cache-salt": ("/v1/completions", {"prompt": "a", "cache_salt": "s"}, "cache_salt"),
-    "special-tokens-kept": (
+    "special-tokens-kept-as-a-number": (
         "/v1/chat/completions",
-        {"messages": CHAT, "skip_special_tokens": False},
+        {"messages": CHAT, "skip_special_tokens": 0},
         "skip_special_tokens",
     ),
     "no-spaces-between-special-tokens": (
@@ -532,15 +532,28 @@ def test_add_special_tokens_reaches_the_tokenizer(server: Server, tokenizer: Any
         assert got["choices"][0]["prompt_token_ids"] == tokenizer.encode(PROMPT, add_special_tokens=flag)
 
 
-def test_skip_special_tokens_true_is_what_the_text_does(server: Server, tokenizer: Any) -> None:
-    """vLLM's default, sent explicitly: control tokens the model samples are left out of the text (false is
-    refused: REFUSED above)."""
+def test_skip_special_tokens_false_keeps_control_tokens_in_the_text(server: Server, tokenizer: Any) -> None:
+    """vLLM's and SGLang's skip_special_tokens: a control token the model samples (forced by a bias) is left
+    out of the text by default and with true, and kept with false, on every endpoint, whole and streamed."""
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")  # a control token that stops nothing
-    body = {"prompt": PROMPT, "max_tokens": 3, "logit_bias": {str(start): 100}, "return_token_ids": True}
+    bias = {str(start): 100}
+    body = {"prompt": PROMPT, "max_tokens": 3, "logit_bias": bias, "return_token_ids": True}
     for flags in ({}, {"skip_special_tokens": True, "spaces_between_special_tokens": True}):
         status, got = post(server, "/v1/completions", {**body, **flags})
         assert status == 200, got
         assert got["choices"][0]["token_ids"] == [start] * 3 and got["choices"][0]["text"] == ""
+    kept = "<|im_start|>" * 3
+    assert tokenizer.decode([start] * 3) == kept
+    status, got = post(server, "/v1/completions", {**body, "skip_special_tokens": False})
+    assert status == 200 and got["choices"][0]["text"] == kept, got
+    chat = {"messages": CHAT, "max_tokens": 3, "logit_bias": bias, "skip_special_tokens": False}
+    status, got = post(server, "/v1/chat/completions", chat)
+    assert status == 200 and got["choices"][0]["message"]["content"] == kept, got
+    streamed = sse(server, "/v1/chat/completions", {**chat, "stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]) == kept
+    sampling = {"max_new_tokens": 3, "logit_bias": bias, "skip_special_tokens": False}
+    status, got = post(server, "/generate", {"text": PROMPT, "sampling_params": sampling})
+    assert status == 200 and got["text"] == kept, got
 
 
 def test_chat_template_kwargs_reach_the_template_and_the_rest_is_refused(

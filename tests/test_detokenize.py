@@ -139,6 +139,26 @@ def test_decode_all_is_the_tokenizers_own_decode(tokenizer: Any) -> None:
     assert decode_all(tokenizer, seqs) == [tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
 
 
+def test_a_step_decodes_each_request_with_or_without_its_control_tokens(tokenizer: Any) -> None:
+    """step_batch decodes the requests that keep control tokens apart from the rest, each as decode would."""
+    rng = random.Random(3)
+    specials = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|endoftext|>"])
+    seqs = [[rng.choice([*specials, *range(3, 200)]) for _ in range(12)] for _ in range(6)]
+    for s in seqs:  # one of each at least, among the text
+        s[rng.randrange(6)], s[6 + rng.randrange(6)] = specials
+    dets = [IncrementalDetokenizer(tokenizer, skip_special_tokens=k % 2 == 0) for k in range(len(seqs))]
+    texts = [""] * len(seqs)
+    for t in range(12):
+        results = step_batch(
+            tokenizer, [(d, DetokenizeMsg(k, seqs[k][t], False)) for k, d in enumerate(dets)]
+        )
+        texts = [text + r.text for text, r in zip(texts, results)]
+    texts = [text + d.finish() for text, d in zip(texts, dets)]
+    want = [tokenizer.decode(s, skip_special_tokens=k % 2 == 0) for k, s in enumerate(seqs)]
+    assert texts == want
+    assert any("<|im_start|>" in w for w in want[1::2])  # the kept ones have some to keep
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_taking_plain_tokens_apart_ends_as_stepping_them(tokenizer: Any, seed: int) -> None:
     """The offline LLM hands a lazy detokenizer its plain tokens through take_plain and the rest through step():

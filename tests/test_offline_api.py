@@ -211,6 +211,23 @@ def test_stop_token_ids_end_a_request_without_appearing_in_it(
     assert_nothing_held(llm)
 
 
+def test_skip_special_tokens_false_keeps_control_tokens_in_the_text(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")  # a control token that stops nothing
+    forced = dict(max_tokens=3, ignore_eos=True, logit_bias={start: 100.0})
+    skipped, kept = llm.generate(
+        [TEXT_PROMPTS[0]] * 2,
+        [SamplingParams(**forced), SamplingParams(**forced, skip_special_tokens=False)],
+    )
+    assert skipped["token_ids"] == kept["token_ids"] == [start] * 3
+    assert (skipped["text"], kept["text"]) == ("", "<|im_start|>" * 3)
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        llm.generate([TEXT_PROMPTS[0]], SamplingParams(skip_special_tokens="no"))  # type: ignore[arg-type]
+    assert_nothing_held(llm)
+
+
 def test_stop_strings_end_a_request_and_are_cut_from_the_text(
     tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
 ) -> None:

@@ -38,7 +38,11 @@ def _add_sampling_options(group: Any) -> None:
         if f.name in _LEFT_OUT:
             continue
         flag, text, kind = "--" + f.name.replace("_", "-"), f.metadata["help"], hints[f.name]
-        if kind is bool:
+        if kind is bool and f.default:  # on unless --no-... turns it off
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=True, help=f"{text} (default: on)"
+            )
+        elif kind is bool:
             group.add_argument(flag, action="store_true", help=f"{text} (default: off)")
         elif get_origin(kind) is dict:
             group.add_argument(

@@ -251,7 +251,11 @@ class LLM(Scheduler):
             input_ids = self._tokenize_one(prompt)
             self.pending_requests.append(_Pending(uid, input_ids, sp))
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, sp.stop, streaming=False, min_tokens=sp.min_tokens
+                self.tokenizer,
+                sp.stop,
+                streaming=False,
+                min_tokens=sp.min_tokens,
+                skip_special_tokens=sp.skip_special_tokens,
             )
             self.status_map[uid] = RequestStatus(
                 uid, input_ids, detokenizer, logprobs=[] if sp.logprobs is not None else None

@@ -289,9 +289,8 @@ class _OpenAIBase(_Strict):
     store: bool | None = None
     # vLLM's: a salt that keeps a request out of other requests' prefix cache; refused, there is no such cache
     cache_salt: str | None = None
-    # vLLM's: how the text shows control tokens; this server's text leaves them out (vLLM's default), so only
-    # that is taken: true, and spaces between them (which then have no effect)
-    skip_special_tokens: bool | None = None
+    # vLLM's: spaces between control tokens kept in the text (by the sampling field skip_special_tokens:
+    # false); true (the default) is transformers' decode as it is, false refused
     spaces_between_special_tokens: bool | None = None
     # vLLM's: the prompt's and the choice's token ids in the answer
     return_token_ids: bool | None = None
@@ -339,14 +338,13 @@ class _OpenAIBase(_Strict):
                 "cache_salt",
                 "unsupported_parameter",
             )
-        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-            if getattr(self, name) is False:
-                raise APIError(
-                    f"{name}: false is not supported; the text leaves control tokens out (true, the default); "
-                    "ask for return_token_ids to see every token",
-                    name,
-                    "unsupported_parameter",
-                )
+        if self.spaces_between_special_tokens is False:
+            raise APIError(
+                "spaces_between_special_tokens: false is not supported; control tokens kept in the text "
+                "(skip_special_tokens: false) are written as the tokenizer decodes them (true, the default)",
+                "spaces_between_special_tokens",
+                "unsupported_parameter",
+            )
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, names: dict[str, str] = _OPENAI_NAMES

@@ -39,11 +39,17 @@ class DetokenizeStep:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, stop: list[str] | None = None, streaming: bool = True, min_tokens: int = 0
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        streaming: bool = True,
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop or [] if s]
         self.min_tokens = min_tokens
+        self.skip_special_tokens = skip_special_tokens
         self.lazy = not streaming and not self.stop
         self.ids: list[int] = []
         self.prefix_offset = 0  # the window decoded each step starts here ...
@@ -96,7 +102,7 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> None:
         window = self._window()
         if window is not None:
-            prefix, full = decode_all(self.tokenizer, list(window))
+            prefix, full = decode_all(self.tokenizer, list(window), self.skip_special_tokens)
             self._take(prefix, full, final)
 
     def _release(self, final: bool) -> str:
@@ -145,8 +151,9 @@ def step_batch(
     window, release what is not held back, then on the last message flush what is left.
     """
     tokens: list[int | None] = []
-    windows: list[list[int]] = []
-    decoding: list[int] = []  # items whose window is in `windows`
+    # the windows to decode and the items they are of, apart for the requests that keep control tokens
+    windows: dict[bool, list[list[int]]] = {True: [], False: []}
+    decoding: dict[bool, list[int]] = {True: [], False: []}
     for k, (det, msg) in enumerate(items):
         token = det._output_token(msg)
         tokens.append(token)
@@ -155,11 +162,12 @@ def step_batch(
         det.ids.append(token)
         window = None if det.lazy else det._window()
         if window is not None:
-            windows += window
-            decoding.append(k)
-    texts = decode_all(tokenizer, windows)
-    for j, k in enumerate(decoding):
-        items[k][0]._take(texts[2 * j], texts[2 * j + 1], final=False)
+            windows[det.skip_special_tokens] += window
+            decoding[det.skip_special_tokens].append(k)
+    for skip, seqs in windows.items():
+        texts = decode_all(tokenizer, seqs, skip)
+        for j, k in enumerate(decoding[skip]):
+            items[k][0]._take(texts[2 * j], texts[2 * j + 1], final=False)
     out = []
     for (det, msg), token in zip(items, tokens):
         text = det._release(final=False) if token is not None and not det.lazy else ""
@@ -170,8 +178,8 @@ def step_batch(
     return out
 
 
-def decode_all(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
-    """The text of each sequence, special tokens left out, as `tokenizer.decode` gives it.
+def decode_all(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """The text of each sequence as `tokenizer.decode` gives it, special tokens left out unless asked for.
 
     A fast tokenizer that does no clean-up of spaces after decoding is asked once for all of them
     (its Rust `decode_batch`); any other one sequence at a time.
@@ -180,5 +188,5 @@ def decode_all(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
         return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return backend.decode_batch(seqs, skip_special_tokens=True)
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
+        return backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+    return [tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]

@@ -210,7 +210,12 @@ class TokenizerWorker:
             except RequestError as e:
                 replies.append(UserReply(uid, "", True, "error", str(e), e.code))
                 continue
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                params.stop,
+                min_tokens=params.min_tokens,
+                skip_special_tokens=params.skip_special_tokens,
+            )
             self.requests[uid] = _Request(detokenizer, len(ids))
             if msg.return_prompt:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
