@@ -113,10 +113,7 @@ def render_chat(
     for the template (checked by the caller: tokenizer/template_kwargs.py).
     """
     nonce = uuid.uuid4().hex
-    marked = [
-        {**m, "content": f"<{nonce}:{i}>"} if isinstance(m.get("content"), str) else m
-        for i, m in enumerate(messages)
-    ]
+    marked = [_marked(m, i, nonce) for i, m in enumerate(messages)]
     extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     text = tokenizer.apply_chat_template(
         marked,
@@ -125,9 +122,31 @@ def render_chat(
         tokenize=False,
         **extra,
     )
-    # re.split with one group alternates template text and the index of the message whose content goes there
-    parts = re.split(f"<{nonce}:(\\d+)>", text)
-    return [(messages[int(p)]["content"], True) if k % 2 else (p, False) for k, p in enumerate(parts)]
+    # re.split with one group alternates template text and "message index:field" of the text that goes there
+    parts = re.split(f"<{nonce}:(\\d+:\\w+)>", text)
+    out = []
+    for k, p in enumerate(parts):
+        if k % 2:
+            i, name = p.split(":")
+            p = messages[int(i)][name]
+        out.append((p, bool(k % 2)))
+    return out
+
+
+# a message's texts that come from the client: written by the template as plain text, never as control tokens
+# (a speaker's name and an earlier answer's reasoning too, which some templates write)
+_CLIENT_TEXTS = ("content", "reasoning_content", "name")
+
+
+def _marked(message: dict[str, Any], i: int, nonce: str) -> dict[str, Any]:
+    """The message with a placeholder for each client text (the content even when empty: the template writes it
+    in its place; the others only when set, as a template may test them)."""
+    out = dict(message)
+    for name in _CLIENT_TEXTS:
+        value = message.get(name)
+        if isinstance(value, str) and (value or name == "content"):
+            out[name] = f"<{nonce}:{i}:{name}>"
+    return out
 
 
 def chat_pieces_ids(tokenizer: Any, pieces: list[tuple[str, bool]]) -> list[int]:
