@@ -165,6 +165,13 @@ def test_thinking_switched_off_by_the_template_is_all_answer(server: Server) -> 
     assert (message.reasoning_content, message.content) == (None, "Four.")
 
 
+def test_a_tag_a_client_wrote_earlier_does_not_open_the_reasoning(server: Server) -> None:
+    # only the model's own turn, as the template opens it, says where the output starts
+    messages = [{"role": "user", "content": "What does <think> mean?"}]
+    message = chat(server, messages=messages, extra_body={"regex": "Four\\."}).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, "Four.")
+
+
 def test_an_answer_sent_back_with_its_reasoning_is_taken(server: Server) -> None:
     first = chat(server).choices[0].message
     history = [*CHAT, first.model_dump(exclude={"tool_calls"}), {"role": "user", "content": "and?"}]

@@ -38,7 +38,8 @@ def reasoning_format(name: str) -> ReasoningFormat:
 
 
 def prompt_opens(fmt: ReasoningFormat, prompt: str) -> bool:
-    """Whether the prompt ends inside a reasoning block (its last opening tag is not closed)."""
+    """Whether the prompt ends inside a reasoning block (its last opening tag is not closed); `prompt` is the
+    model's turn as the template opened it (Tokenization.turn_opening), not what clients wrote before."""
     return prompt.rfind(fmt.start) > prompt.rfind(fmt.end)
 
 

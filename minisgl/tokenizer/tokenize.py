@@ -159,9 +159,15 @@ class Tokenization:
         self._proof: LengthProof | None = None
 
     @property
-    def rendered(self) -> str | None:
-        """A chat's prompt as the template wrote it (None for other prompts, or before the first step)."""
-        return None if self._pieces is None else "".join(p for p, _ in self._pieces)
+    def turn_opening(self) -> str | None:
+        """A chat's prompt from where the model's own turn starts, as the template wrote it: after the last text
+        a client sent, or from it when that text is the message being continued (None for other prompts, or
+        before the first step). What clients wrote before it (a user quoting a tag, say) is left out."""
+        if self._pieces is None:
+            return None
+        last = max((k for k, (_, client) in enumerate(self._pieces) if client), default=-1)
+        start = last if self.msg.continue_final_message and last >= 0 else last + 1
+        return "".join(p for p, _ in self._pieces[start:])
 
     def step(self) -> list[int] | None:
         msg, manager = self.msg, self.manager

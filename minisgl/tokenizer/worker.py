@@ -202,7 +202,7 @@ class TokenizerWorker:
         out: list[BaseBackendMsg] = []
         reasoning_open = None
         if msg.reasoning is not None:
-            reasoning_open = prompt_opens(reasoning_format(msg.reasoning), job.rendered or "")
+            reasoning_open = prompt_opens(reasoning_format(msg.reasoning), job.turn_opening or "")
         for uid, params in zip(msg.uids, msg.sampling_params):
             try:
                 # checked here too, so a bad request is answered before anything is queued
