@@ -99,9 +99,9 @@ def server(tiny_model: Callable[[str], str]) -> Iterator[Server]:
 def chat(server: Server, **extra: Any) -> Any:
     body = {"regex": FORCED, **extra.pop("extra_body", {})}
     messages = extra.pop("messages", CHAT)
-    max_tokens = extra.pop("max_tokens", 80)
+    extra = {"max_tokens": 80, "temperature": 0, **extra}
     return server.client().chat.completions.create(
-        model=server.name, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=body, **extra
+        model=server.name, messages=messages, extra_body=body, **extra
     )
 
 
@@ -127,6 +127,19 @@ def test_the_answer_and_its_reasoning_in_their_fields(server: Server) -> None:
     # (how many pieces depends on how the stream's writes coalesce: the parser's tests count them)
     assert "".join(pieces) == "I add 2 and 2."
     assert content == "It is 4."
+
+
+def test_every_choice_is_split_on_its_own(server: Server) -> None:
+    choices = chat(server, n=3, temperature=1.0).choices
+    assert [(c.message.reasoning_content, c.message.content) for c in choices] == [
+        ("I add 2 and 2.", "It is 4.")
+    ] * 3
+    parts: dict[int, list[str]] = {0: ["", ""], 1: ["", ""], 2: ["", ""]}
+    for chunk in chat(server, n=3, temperature=1.0, stream=True):
+        for c in chunk.choices:
+            parts[c.index][0] += getattr(c.delta, "reasoning_content", None) or ""
+            parts[c.index][1] += c.delta.content or ""
+    assert list(parts.values()) == [["I add 2 and 2.", "It is 4."]] * 3
 
 
 def test_stream_reasoning_false_sends_the_reasoning_in_one_piece(server: Server) -> None:
