@@ -46,7 +46,8 @@ def test_where_the_reasoning_starts() -> None:
     # ... and a model that writes the tag again anyway
     assert split("<think>x</think>y", prompt_open=True)[:2] == ("x", "y")
     # DeepSeek-R1 thinks from the start whatever the prompt says
-    assert split("thought</think>answer", fmt=R1)[:2] == ("thought", "answer")
+    assert prompt_opens(R1, "<|im_start|>assistant\n")
+    assert split("thought</think>answer", fmt=R1, prompt_open=True)[:2] == ("thought", "answer")
     # a Qwen3 prompt that closed the block itself (enable_thinking false) leaves the output all answer
     assert not prompt_opens(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert prompt_opens(QWEN3, "<|im_start|>assistant\n<think>\n")
@@ -163,13 +164,28 @@ def test_separate_reasoning_false_leaves_the_text_as_written(server: Server) -> 
 
 
 def test_a_prompt_left_inside_the_block_makes_the_output_reasoning_first(server: Server) -> None:
-    # the assistant's message continued from inside its <think>: only </think> comes out
+    # the assistant's message continued from inside its <think>: what comes out is reasoning until </think>
+    # (the tiny model never writes it, so here all of it: the greedy text as written, taken apart)
+    messages = [*CHAT, {"role": "assistant", "content": "<think>\nLet me see."}]
+    inside = {"continue_final_message": True, "add_generation_prompt": False, "regex": None}
+    written = chat(
+        server, messages=messages, max_tokens=12, extra_body={**inside, "separate_reasoning": False}
+    )
+    text = written.choices[0].message.content
+    assert text.strip() and "</think>" not in text
+    message = chat(server, messages=messages, max_tokens=12, extra_body=inside).choices[0].message
+    assert (message.reasoning_content, message.content) == (text.strip(), "")
+    pieces, content = stream_parts(server, messages=messages, max_tokens=12, extra_body=inside)
+    assert ("".join(pieces), content) == (text.strip(), "")
+
+
+def test_a_grammar_holds_the_output_as_the_answer_from_its_first_token(server: Server) -> None:
+    # the same prompt, the output constrained: it is the answer, tags and all (vLLM waits for the reasoning's
+    # end before it applies a grammar; here it holds from the first token)
     messages = [*CHAT, {"role": "assistant", "content": "<think>\nLet me see."}]
     extra = {"continue_final_message": True, "add_generation_prompt": False, "regex": r" Two\.</think>Four\."}
     message = chat(server, messages=messages, extra_body=extra).choices[0].message
-    assert (message.reasoning_content, message.content) == ("Two.", "Four.")
-    pieces, content = stream_parts(server, messages=messages, extra_body=extra)
-    assert ("".join(pieces), content) == ("Two.", "Four.")
+    assert (message.reasoning_content, message.content) == (None, " Two.</think>Four.")
 
 
 def test_thinking_switched_off_by_the_template_is_all_answer(server: Server) -> None:

@@ -9,6 +9,9 @@ prompt inside an open `<think>` (DeepSeek-R1, Qwen3's thinking releases), so tha
 prompt that closes the block itself (Qwen3 with `enable_thinking: false`) leaves the output all answer. The
 tokenizer worker, which renders the prompt, says which (`prompt_opens`); DeepSeek-R1's parser takes the output
 as reasoning until `</think>` whatever the prompt, as its early releases start thinking without the tag.
+
+An output constrained by a grammar (response_format, a regex, forced tool calls) is held to it from its first
+token, so it starts as the answer: it has reasoning only where the grammar itself writes the tags.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ def reasoning_format(name: str) -> ReasoningFormat:
 
 
 def prompt_opens(fmt: ReasoningFormat, prompt: str) -> bool:
-    """Whether the prompt ends inside a reasoning block (its last opening tag is not closed); `prompt` is the
-    model's turn as the template opened it (Tokenization.turn_opening), not what clients wrote before."""
-    return prompt.rfind(fmt.start) > prompt.rfind(fmt.end)
+    """Whether the output starts inside the reasoning: always for a format that says so, else where the prompt
+    ends inside a reasoning block (its last opening tag not closed). `prompt` is the model's turn as the
+    template opened it (Tokenization.turn_opening), not what clients wrote before."""
+    return fmt.always_open or prompt.rfind(fmt.start) > prompt.rfind(fmt.end)
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -59,9 +63,10 @@ class ReasoningParser:
     (SGLang's `stream_reasoning: false`) the reasoning comes out whole once it ends.
     """
 
-    def __init__(self, fmt: ReasoningFormat, prompt_open: bool, stream: bool = True) -> None:
+    def __init__(self, fmt: ReasoningFormat, opened: bool, stream: bool = True) -> None:
+        """`opened`: the output starts inside the reasoning (prompt_opens)."""
         self.fmt, self.stream = fmt, stream
-        self.opened = fmt.always_open or prompt_open
+        self.opened = opened
         # start: nothing decided yet (an opening tag may come); reasoning; content
         self._state = "start"
         self._buf = ""  # text not given out yet

@@ -220,7 +220,8 @@ class TokenizerWorker:
             if msg.return_prompt:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
                 self.requests[uid].prompt = (ids, text)
-            self.requests[uid].reasoning_open = reasoning_open
+            # a grammar holds the output from its first token: it starts as the answer (reasoning.py)
+            self.requests[uid].reasoning_open = reasoning_open and params.grammar is None
             out.append(UserMsg(uid, ids, params))
             TRACE.point(uid, "tokenize")
         return out
