@@ -67,12 +67,12 @@ class ReasoningParser:
         """`opened`: the output starts inside the reasoning (prompt_opens)."""
         self.fmt, self.stream = fmt, stream
         self.opened = opened
-        # start: nothing decided yet (an opening tag may come); reasoning; content
+        # start: nothing decided yet (an opening tag may come); reasoning; after (its end tag, whitespace to
+        # drop); content
         self._state = "start"
         self._buf = ""  # text not given out yet
         self._held = ""  # reasoning not given out yet (stream=False), or its trailing whitespace
         self._reasoned = False  # some reasoning has been given out
-        self.reasoning = False  # the output had a reasoning block
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -102,8 +102,6 @@ class ReasoningParser:
                 return "", ""  # whitespace or part of the tag so far
             else:
                 self._state = "reasoning" if self.opened else "content"
-            if self._state == "reasoning":
-                self.reasoning = True
         if self._state == "reasoning":
             reasoning, ended = self._in_reasoning(final)
             if not ended:
