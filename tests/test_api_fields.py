@@ -125,6 +125,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"messages": CHAT, "stream": True, "stream_reasoning": False},
         "stream_reasoning",
     ),
+    "separate-reasoning-as-a-string": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "separate_reasoning": "yes"},
+        "separate_reasoning",
+    ),
     "reasoning-of-a-user": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a", "reasoning_content": "hm"}]},
