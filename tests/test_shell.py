@@ -13,8 +13,9 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from minisgl.server.shell import ChatShell
 from minisgl.tokenizer.reasoning import reasoning_format
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,18 @@ async def _drive(shell: ChatShell, pipe: object, lines: list[str], timeout: floa
         raise AssertionError(f"the shell was still running {timeout:g} s after {lines[-1]!r}") from None
 
 
+async def _with_input(procs: ServerProcesses, body: Callable[..., Awaitable[T]]) -> T:
+    """body(client, session, pipe): a client of the processes, and a prompt session typed into through the pipe."""
+    client = EngineClient(procs.addrs.requests, procs.addrs.replies)
+    client.start()
+    try:
+        with create_pipe_input() as pipe:
+            session: PromptSession = PromptSession(input=pipe, output=DummyOutput())
+            return await body(client, session, pipe)
+    finally:
+        client.close()
+
+
 def test_shell_streams_replies_keeps_history_and_resets(
     processes: tuple[ServerProcesses, ServeInfo], model_dir: str
 ) -> None:
@@ -100,22 +114,15 @@ def test_shell_streams_replies_keeps_history_and_resets(
 
     out = Recorder()
 
-    async def run() -> ChatShell:
-        client = EngineClient(procs.addrs.requests, procs.addrs.replies)
-        client.start()
-        try:
-            with create_pipe_input() as pipe:
-                session: PromptSession = PromptSession(input=pipe, output=DummyOutput())
-                shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
-                await _drive(shell, pipe, ["hello world", "and then?", "/exit"])
-                history = list(shell.history)
-                shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
-                await _drive(shell, pipe, ["hello world", "/reset", "hello world", "/nope", "/exit"])
-                return history, shell
-        finally:
-            client.close()
+    async def run(client: EngineClient, session: PromptSession, pipe: Any) -> tuple[list[Any], ChatShell]:
+        shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
+        await _drive(shell, pipe, ["hello world", "and then?", "/exit"])
+        history = list(shell.history)
+        shell = ChatShell(client, info, session, out, PARAMS)  # type: ignore[arg-type]
+        await _drive(shell, pipe, ["hello world", "/reset", "hello world", "/nope", "/exit"])
+        return history, shell
 
-    history, shell = asyncio.run(run())
+    history, shell = asyncio.run(_with_input(procs, run))
     assert history == [*second, {"role": "assistant", "content": reply2}]
     # after /reset the same question gets the first answer again: the history is gone
     assert shell.history == [*first, {"role": "assistant", "content": reply1}]
@@ -134,19 +141,12 @@ def test_shell_shows_the_reasoning_apart_and_keeps_only_the_answer(
     params = SamplingParams(max_tokens=60, regex=r"<think>\nHm, 2\.\n</think>\n\nTwo\.")
     out = Recorder()
 
-    async def run() -> ChatShell:
-        client = EngineClient(procs.addrs.requests, procs.addrs.replies)
-        client.start()
-        try:
-            with create_pipe_input() as pipe:
-                session: PromptSession = PromptSession(input=pipe, output=DummyOutput())
-                shell = ChatShell(client, info, session, out, params)  # type: ignore[arg-type]
-                await _drive(shell, pipe, ["one plus one?", "/exit"])
-                return shell
-        finally:
-            client.close()
+    async def run(client: EngineClient, session: PromptSession, pipe: Any) -> ChatShell:
+        shell = ChatShell(client, info, session, out, params)  # type: ignore[arg-type]
+        await _drive(shell, pipe, ["one plus one?", "/exit"])
+        return shell
 
-    shell = asyncio.run(run())
+    shell = asyncio.run(_with_input(procs, run))
     assert shell.history[-1] == {"role": "assistant", "content": "Two."}
     assert "(thinking: Hm, 2.)\nTwo.\n" in out.text
 
