@@ -124,7 +124,7 @@ def render_chat(
     )
     # re.split with one group alternates template text and "message index:field" of the text that goes there
     parts = re.split(f"<{nonce}:(\\d+:\\w+)>", text)
-    out = []
+    out: list[tuple[str, bool]] = []
     for k, p in enumerate(parts):
         if k % 2:
             i, name = p.split(":")
