@@ -130,6 +130,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"messages": CHAT, "separate_reasoning": "yes"},
         "separate_reasoning",
     ),
+    "reasoning-of-a-system-message": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": "a", "reasoning": "hm"}, *CHAT]},
+        "messages[0].reasoning",
+    ),
     "reasoning-of-a-user": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a", "reasoning_content": "hm"}]},

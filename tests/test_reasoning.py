@@ -123,11 +123,16 @@ def stream_parts(server: Server, **extra: Any) -> tuple[list[str], str]:
 def test_the_answer_and_its_reasoning_in_their_fields(server: Server) -> None:
     message = chat(server).choices[0].message
     assert message.content == "It is 4."
-    assert message.reasoning_content == "I add 2 and 2."
+    # SGLang's name, and vLLM's newer one
+    assert message.reasoning_content == message.reasoning == "I add 2 and 2."
     pieces, content = stream_parts(server)
     # (how many pieces depends on how the stream's writes coalesce: the parser's tests count them)
     assert "".join(pieces) == "I add 2 and 2."
     assert content == "It is 4."
+    newer = "".join(
+        getattr(c.choices[0].delta, "reasoning", None) or "" for c in chat(server, stream=True) if c.choices
+    )
+    assert newer == "I add 2 and 2."
 
 
 def test_every_choice_is_split_on_its_own(server: Server) -> None:
@@ -204,9 +209,16 @@ def test_a_tag_a_client_wrote_earlier_does_not_open_the_reasoning(server: Server
 def test_an_answer_sent_back_with_its_reasoning_is_taken(server: Server) -> None:
     first = chat(server).choices[0].message
     history = [*CHAT, first.model_dump(exclude={"tool_calls"}), {"role": "user", "content": "and?"}]
-    assert history[1]["reasoning_content"] == "I add 2 and 2."
+    assert history[1]["reasoning_content"] == history[1]["reasoning"] == "I add 2 and 2."
     again = chat(server, messages=history).choices[0].message
     assert again.content == "It is 4."
+    # under vLLM's name alone too; two that differ are refused
+    alone = {k: v for k, v in history[1].items() if k != "reasoning_content"}
+    assert chat(server, messages=[*CHAT, alone, history[2]]).choices[0].message.content == "It is 4."
+    differ = {**history[1], "reasoning": "something else"}
+    body = {"messages": [*CHAT, differ, history[2]]}
+    status, got = server.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and got["error"]["param"] == "messages[1].reasoning", got
 
 
 def literal(text: str) -> str:

@@ -269,7 +269,10 @@ class ChatFormat(_Format):
             out.append(first)
         with_ids = self.return_token_ids and bool(reply.token_ids)
         reasoning, text = self._split(i, reply)
-        deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        # under both names: SGLang's and DeepSeek's reasoning_content, and vLLM's newer reasoning
+        deltas: list[dict[str, Any]] = (
+            [{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []
+        )
         fmt, has_calls = self.tools.format, False
         if fmt is None:
             if text or (not deltas and (reply.logprobs or with_ids)):
@@ -337,7 +340,7 @@ class ChatFormat(_Format):
                 reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
             message, has_calls = answer_message(text, self.tools)
             if self.reasoning is not None:
-                message["reasoning_content"] = reasoning or None
+                message["reasoning_content"] = message["reasoning"] = reasoning or None
             entry = {
                 "index": i,
                 "message": message,

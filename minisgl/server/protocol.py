@@ -443,9 +443,11 @@ class ChatMessage(_Strict):
     # an assistant's earlier calls and a tool's result (checked in server/tools.py)
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
-    # an assistant's earlier reasoning as a server with a reasoning parser answered it: given to the chat
-    # template, which keeps or drops it (Qwen3's keeps it only after the last user message)
+    # an assistant's earlier reasoning as a server with a reasoning parser answered it (SGLang's name, and vLLM's
+    # newer one): given to the chat template as reasoning_content, which it keeps or drops (Qwen3's keeps it
+    # only after the last user message)
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 # vLLM's default: the prompt ends with the assistant's header, so the model writes a new message
@@ -512,14 +514,9 @@ class ChatCompletionRequest(_OpenAIRequest):
             message = {"role": m.role, "content": _text_content(m, i)}
             if m.name is not None:
                 message["name"] = m.name
-            if m.reasoning_content is not None:
-                if m.role != "assistant":
-                    raise APIError(
-                        f"messages[{i}].reasoning_content belongs to assistant messages",
-                        f"messages[{i}].reasoning_content",
-                        "invalid_value",
-                    )
-                message["reasoning_content"] = m.reasoning_content
+            reasoning = _reasoning_of(m, i)
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             out.append(message)
         return out
 
@@ -568,6 +565,27 @@ class ChatCompletionRequest(_OpenAIRequest):
         return self._sampling_params(
             max_tokens, logprobs, {**_OPENAI_NAMES, "max_tokens": "max_completion_tokens"}
         )
+
+
+def _reasoning_of(message: ChatMessage, i: int) -> str | None:
+    """An assistant message's earlier reasoning, under either name (the same text when both are sent, as an
+    answer of this server carries both)."""
+    given = [(name, getattr(message, name)) for name in ("reasoning_content", "reasoning")]
+    given = [(name, value) for name, value in given if value is not None]
+    if not given:
+        return None
+    name = given[0][0]
+    if message.role != "assistant":
+        raise APIError(
+            f"messages[{i}].{name} belongs to assistant messages", f"messages[{i}].{name}", "invalid_value"
+        )
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        raise APIError(
+            f"messages[{i}] has a reasoning_content and a reasoning that differ; send one of them",
+            f"messages[{i}].reasoning",
+            "invalid_value",
+        )
+    return given[0][1]
 
 
 def _text_content(message: ChatMessage, i: int) -> str:
