@@ -577,9 +577,13 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
     param = fmt.prompt_param if reply.error_code in prompt_codes else None
     if reply.error_code == "invalid_logit_bias":  # found by the request check, which knows the vocabulary
         param = fmt.sampling_prefix + "logit_bias"
-    if reply.error_code == template_kwargs.CODE:  # found by the tokenizer worker, which knows the template
-        param = template_kwargs.PARAM
+    param = _WORKER_PARAMS.get(reply.error_code or "", param)
     return APIError(reply.error or "the request failed", param, reply.error_code)
+
+
+# the field at fault for an error only the tokenizer worker finds (it knows the chat template), by its code: for
+# a generation's first reply and a /tokenize reply alike
+_WORKER_PARAMS = {template_kwargs.CODE: template_kwargs.PARAM}
 
 
 async def _close_on_disconnect(request: Request, group: RequestGroup) -> None:
@@ -734,9 +738,7 @@ def create_app(
         except EngineUnavailable as e:
             raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
         if reply.error is not None:
-            if reply.error_code == template_kwargs.CODE:
-                param = template_kwargs.PARAM
-            raise APIError(reply.error, param, reply.error_code)
+            raise APIError(reply.error, _WORKER_PARAMS.get(reply.error_code or "", param), reply.error_code)
         return reply
 
     @app.post("/tokenize")

@@ -525,16 +525,10 @@ class ChatCompletionRequest(_OpenAIRequest):
         as it comes; fields asking for a split the server does not make are an APIError."""
         if fmt is None:
             # what the server does without a parser (no split, everything streamed) is taken as said
-            asked = [("separate_reasoning", True)] if self.separate_reasoning else []
-            asked += [("stream_reasoning", False)] if self.stream_reasoning is False else []
-            if asked:
-                name, value = asked[0]
-                raise APIError(
-                    f"{name}: {str(value).lower()} needs a reasoning parser; start the server with "
-                    "--reasoning-parser (qwen3 or deepseek-r1)",
-                    name,
-                    "unsupported_parameter",
-                )
+            if self.separate_reasoning:
+                raise _needs_parser("separate_reasoning: true")
+            if self.stream_reasoning is False:
+                raise _needs_parser("stream_reasoning: false")
             return None, True
         if self.separate_reasoning is False:
             if self.stream_reasoning is False:
@@ -565,6 +559,16 @@ class ChatCompletionRequest(_OpenAIRequest):
         return self._sampling_params(
             max_tokens, logprobs, {**_OPENAI_NAMES, "max_tokens": "max_completion_tokens"}
         )
+
+
+def _needs_parser(asked: str) -> APIError:
+    """The error for a reasoning field (`asked`, "name: value") a server without a reasoning parser cannot do."""
+    name = asked.split(":")[0]
+    return APIError(
+        f"{asked} needs a reasoning parser; start the server with --reasoning-parser (qwen3 or deepseek-r1)",
+        name,
+        "unsupported_parameter",
+    )
 
 
 def _reasoning_of(message: ChatMessage, i: int) -> str | None:
