@@ -104,6 +104,17 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "stream_options",
     ),
     "cache-salt": ("/v1/completions", {"prompt": "a", "cache_salt": "s"}, "cache_salt"),
+    # this server runs without priority scheduling: a priority it would not keep is refused (0 is taken)
+    "priority-without-priority-scheduling": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "priority": 1},
+        "priority",
+    ),
+    "priority-on-generate-without-priority-scheduling": ("/generate", {"text": "a", "priority": -2}, "priority"),
+    "priority-as-a-string": ("/v1/completions", {"prompt": "a", "priority": "1"}, "priority"),
+    "priority-as-a-bool": ("/v1/completions", {"prompt": "a", "priority": True}, "priority"),
+    "priority-past-64-bits": ("/v1/completions", {"prompt": "a", "priority": 2**70}, "priority"),
+    "priority-as-a-float": ("/generate", {"text": "a", "priority": 1.5}, "priority"),
     "special-tokens-kept-as-a-number": (
         "/v1/chat/completions",
         {"messages": CHAT, "skip_special_tokens": 0},

@@ -12,6 +12,7 @@ from minisgl.distributed import DistributedInfo
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.tokenizer import TokenStepMsg
+from minisgl.params import INT64_MAX, INT64_MIN
 from minisgl.scheduler.check import check_params
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
@@ -50,6 +51,7 @@ class _Pending:
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0
 
 
 class LLM(Scheduler):
@@ -119,9 +121,7 @@ class LLM(Scheduler):
                 break
             total_len += len(pending.input_ids)
             added += 1
-            results.append(
-                UserMsg(uid=pending.uid, input_ids=pending.input_ids, sampling_params=pending.sampling_params)
-            )
+            results.append(UserMsg(pending.uid, pending.input_ids, pending.sampling_params, pending.priority))
         self.pending_requests = self.pending_requests[added:]
         return results
 
@@ -216,8 +216,13 @@ class LLM(Scheduler):
         prompts: list[str] | list[list[int]] | str,
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
         use_tqdm: bool | None = None,
+        priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; each output has text, token_ids, finish_reason and error.
+
+        `priority` (one integer a prompt, vLLM's argument) orders the prompts' admission under priority
+        scheduling (`LLM(..., priority_scheduling=True)`: higher values first, or lower with
+        `low_priority_values_first=True`), equal ones in the list's order; without it, a ValueError.
 
         With `logprobs=k`, `logprobs` holds, for each of token_ids, {token id: log-probability} of that
         token and the k most likely (vLLM's shape, as dicts); with `prompt_logprobs=k`, `prompt_logprobs`
@@ -241,6 +246,7 @@ class LLM(Scheduler):
             )
         for sp in sampling_params:
             check_params(sp)
+        priorities = self._priorities(priority, len(prompts))
         if self._ranks is not None and not self._ranks.alive():
             raise RuntimeError(
                 "a tensor-parallel rank has stopped (after an error or an interrupt); build a new LLM"
@@ -249,7 +255,7 @@ class LLM(Scheduler):
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             input_ids = self._tokenize_one(prompt)
-            self.pending_requests.append(_Pending(uid, input_ids, sp))
+            self.pending_requests.append(_Pending(uid, input_ids, sp, priorities[uid]))
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 sp.stop,
@@ -260,6 +266,8 @@ class LLM(Scheduler):
             self.status_map[uid] = RequestStatus(
                 uid, input_ids, detokenizer, logprobs=[] if sp.logprobs is not None else None
             )
+        # handed to the scheduler in the order its queue keeps (the sort is stable: ties stay in the list's order)
+        self.pending_requests.sort(key=lambda p: self.config.queue_rank(p.priority))
         self._progress = GenerateProgress(len(prompts), use_tqdm)
         TRACE.arrivals(list(self.status_map))
         try:
@@ -287,12 +295,29 @@ class LLM(Scheduler):
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
         use_tqdm: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat
         template; `chat_template_kwargs`: variables the template reads (e.g. Qwen3's enable_thinking), as the
-        server takes them."""
+        server takes them; `priority` as for generate."""
         prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
+
+    def _priorities(self, priority: list[int] | None, n: int) -> list[int]:
+        """generate's `priority` checked: one integer a prompt, and priority scheduling on to use them."""
+        if priority is None:
+            return [0] * n
+        if not self.config.priority_scheduling:
+            raise ValueError(
+                "priority orders requests under priority scheduling, which is off; build the LLM with "
+                "priority_scheduling=True, or leave priority out"
+            )
+        if len(priority) != n:
+            raise ValueError(f"{n} prompts but {len(priority)} priorities; pass one each")
+        for p in priority:
+            if not (isinstance(p, int) and not isinstance(p, bool) and INT64_MIN <= p <= INT64_MAX):
+                raise ValueError(f"priority {p!r} is invalid: each must be an integer in [-2**63, 2**63 - 1]")
+        return list(priority)
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None

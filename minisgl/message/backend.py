@@ -17,6 +17,9 @@ class UserMsg(BaseBackendMsg):
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
+    # the request's place in the prefill queue under priority scheduling, as the client sent it (the
+    # scheduler's config says whether high or low values go first); 0 without
+    priority: int = 0
 
 
 @dataclass

@@ -33,6 +33,7 @@ class TokenizeMsg:
     # a chat whose reasoning is split from its answer (the reasoning format's name): the first reply says
     # whether the prompt opens it
     reasoning: str | None = None
+    priority: int = 0  # the choices' place in the scheduler's queue (UserMsg.priority)
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""PrefillManager: the first-come-first-served queue waiting for prefill, and PrefillAdder, which admits from it."""
+"""PrefillManager: the queue waiting for prefill (first come first served, or by priority), and PrefillAdder,
+which admits from it."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import torch
@@ -113,7 +115,16 @@ class PrefillManager:
     last_prompts: list[list[int]] = field(default_factory=list)
 
     def add_one_req(self, pending_req: PendingReq) -> None:
-        self.pending_list.append(pending_req)
+        """Queue behind every request of its rank or lower (so equal ranks keep their arrival order), and
+        behind the requests part-way through a chunked prefill, which hold rows and pages and go on first."""
+        queue = self.pending_list
+        if not queue or queue[-1].rank <= pending_req.rank:
+            queue.append(pending_req)  # every request without priority scheduling (rank 0)
+            return
+        head = 0
+        while head < len(queue) and queue[head].chunked_req is not None:
+            head += 1
+        queue.insert(bisect_right(queue, pending_req.rank, lo=head, key=_rank), pending_req)
 
     @property
     def runnable(self) -> bool:
@@ -132,7 +143,9 @@ class PrefillManager:
         )
         reqs: list[Req] = []
         chunked_list: list[PendingReq] = []
-        for pending_req in self.pending_list:  # first come first served: stop at the first that does not fit
+        # in the queue's order: stop at the first that does not fit, so a large request is not passed over for
+        # ever by the smaller ones behind it
+        for pending_req in self.pending_list:
             req = adder.try_add_one(pending_req)
             if req is None:
                 break
@@ -153,3 +166,7 @@ class PrefillManager:
             if pending_req.uid == uid:
                 return self.pending_list.pop(i)
         return None
+
+
+def _rank(pending_req: PendingReq) -> int:
+    return pending_req.rank

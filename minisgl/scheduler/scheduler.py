@@ -368,6 +368,7 @@ class Scheduler(SchedulerIOMixin):
                 return
             params = msg.sampling_params
             pending = PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed(), max_tokens)
+            pending.rank = self.config.queue_rank(msg.priority)
             self.prefill_manager.add_one_req(pending)
             TRACE.point(msg.uid, "queued")
         elif isinstance(msg, AbortBackendMsg):

@@ -18,6 +18,9 @@ class PendingReq:
     # sampling_params.max_tokens cut to what the context length leaves (check_request)
     max_tokens: int
     chunked_req: ChunkedReq | None = None
+    # the queue's order: a lower rank is admitted first, equal ranks in arrival order (0 for every request
+    # without priority scheduling: first come first served)
+    rank: int = 0
 
     @property
     def input_len(self) -> int:

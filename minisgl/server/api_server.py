@@ -39,6 +39,7 @@ from minisgl.server.protocol import (
     check_call_size,
     choice_params,
     parse_body,
+    queue_priority,
     refuse_many_prompt_lists,
 )
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
@@ -781,6 +782,7 @@ def create_app(
             return_prompt=bool(req.return_token_ids),
             chat_template_kwargs=req.chat_template_kwargs or None,
             reasoning=None if reasoning is None else reasoning.name,
+            priority=queue_priority(req.priority, info.priority_scheduling),
             **req.template_options,
         )
         fmt = ChatFormat(
@@ -813,7 +815,8 @@ def create_app(
             params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
         return_prompt = bool(req.echo or req.return_token_ids)
         special = req.add_special_tokens is not False
-        msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt, special)
+        priority = queue_priority(req.priority, info.priority_scheduling)
+        msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt, special, priority)
         fmt = CompletionFormat(
             model,
             n,
@@ -838,7 +841,8 @@ def create_app(
         params = req.to_sampling_params()
         if req.sampling_params is not None:
             within_context(req.sampling_params.max_new_tokens, "sampling_params.max_new_tokens")
-        msgs = _prompt_msgs(prompts, choice_params(params, n))
+        priority = queue_priority(req.priority, info.priority_scheduling)
+        msgs = _prompt_msgs(prompts, choice_params(params, n), priority=priority)
         fmt = GenerateFormat(
             info.model_name, n, len(prompts) * n > 1, "text" if req.text is not None else "input_ids"
         )
@@ -890,13 +894,20 @@ def _prompt_msgs(
     params: list[SamplingParams],
     return_prompt: bool = False,
     add_special_tokens: bool = True,
+    priority: int = 0,
 ) -> list[TokenizeMsg]:
     """One message a prompt, carrying its choices: the group's replies come every choice of the first
     prompt, then of the next. `add_special_tokens`: for text prompts (token ids are taken as they are)."""
     return [
-        TokenizeMsg(params, text=p, return_prompt=return_prompt, add_special_tokens=add_special_tokens)
+        TokenizeMsg(
+            params,
+            text=p,
+            return_prompt=return_prompt,
+            add_special_tokens=add_special_tokens,
+            priority=priority,
+        )
         if isinstance(p, str)
-        else TokenizeMsg(params, input_ids=p, return_prompt=return_prompt)
+        else TokenizeMsg(params, input_ids=p, return_prompt=return_prompt, priority=priority)
         for p in prompts
     ]
 

@@ -51,6 +51,11 @@ class ServerArgs:
     trace: str | None = None
     tool_call_parser: str | None = None  # None: told by the model's chat template and architecture
     reasoning_parser: str | None = None  # a thinking model's reasoning in its own field; None: in the content
+    # the prefill queue by request priority (SchedulerConfig.priority_scheduling), by SGLang's flags or vLLM's
+    # --scheduling-policy priority (lower values first)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    scheduling_policy: str = "fcfs"
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
     # the request bodies held at once, read or being read and not yet parsed
@@ -68,6 +73,14 @@ class ServerArgs:
             return DEFAULT_MODEL_FILE.split(".")[0]
         name = os.path.basename(os.path.normpath(self.model))
         return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+    @property
+    def priority_scheduling(self) -> bool:
+        return self.enable_priority_scheduling or self.scheduling_policy == "priority"
+
+    @property
+    def low_priority_values_first(self) -> bool:
+        return self.schedule_low_priority_values_first or self.scheduling_policy == "priority"
 
     @property
     def model_names(self) -> list[str]:
@@ -93,6 +106,8 @@ class ServerArgs:
             "dtype": parse_dtype(self.dtype) if self.dtype is not None else None,
             "quantization": self.quantization,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "priority_scheduling": self.priority_scheduling,
+            "low_priority_values_first": self.low_priority_values_first,
         }
         if self.dist_init_addr is not None:
             options["distributed_addr"] = f"tcp://{self.dist_init_addr}"
@@ -253,6 +268,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer a thinking model's <think> text in reasoning_content, apart from the content (default: "
         "off, the reasoning stays in the content)",
     )
+    queue = p.add_argument_group(
+        "priority scheduling", "requests wait for prefill in order of their `priority`"
+    )
+    queue.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="admit waiting requests by their `priority` field, higher values first, ties first come first "
+        "served; running requests are not preempted (default: off, first come first served, and a "
+        "request with a priority other than 0 is refused)",
+    )
+    queue.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with --enable-priority-scheduling: lower values first (default: higher first)",
+    )
+    queue.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default=ServerArgs.scheduling_policy,
+        help="vLLM's spelling: priority is --enable-priority-scheduling with lower values first (default: "
+        "%(default)s)",
+    )
     p.add_argument(
         "--trace",
         metavar="PATH",
@@ -305,6 +342,21 @@ def parse_args(argv: list[str]) -> ServerArgs:
             f"--max-request-bytes-in-flight {ns.max_request_bytes_in_flight} is less than --max-request-bytes "
             f"{ns.max_request_bytes}, so a body of the largest size allowed would always be refused; raise "
             "the first or lower the second"
+        )
+    if ns.schedule_low_priority_values_first and not (
+        ns.enable_priority_scheduling or ns.scheduling_policy == "priority"
+    ):
+        parser.error(
+            "--schedule-low-priority-values-first orders priority scheduling; add --enable-priority-scheduling"
+        )
+    if (
+        ns.scheduling_policy == "priority"
+        and ns.enable_priority_scheduling
+        and not ns.schedule_low_priority_values_first
+    ):
+        parser.error(
+            "--scheduling-policy priority puts lower values first, --enable-priority-scheduling alone higher "
+            "ones; pick one (or add --schedule-low-priority-values-first)"
         )
     if ns.api_key is not None and not ns.api_key.strip():
         parser.error("--api-key is empty; pass a key, or leave the option out to serve without one")

@@ -36,6 +36,7 @@ class ServeInfo:
     stats: SchedulerStats = field(default_factory=SchedulerStats)  # the scheduler's load once ready
     tools: ToolSupport = field(default_factory=ToolSupport)  # how the model takes tools
     reasoning: ReasoningFormat | None = None  # how a chat's reasoning is split from its answer (None: not)
+    priority_scheduling: bool = False  # whether requests may carry a priority (SchedulerConfig)
 
     @property
     def served_names(self) -> list[str]:

@@ -367,6 +367,7 @@ def serve(args: ServerArgs) -> int:
             stats=model.stats,
             tools=tools,
             reasoning=None if args.reasoning_parser is None else reasoning_format(args.reasoning_parser),
+            priority_scheduling=args.priority_scheduling,
         )
         if args.shell:
             from minisgl.server.shell import run_shell

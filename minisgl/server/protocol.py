@@ -294,6 +294,8 @@ class _OpenAIBase(_Strict):
     spaces_between_special_tokens: bool | None = None
     # vLLM's: the prompt's and the choice's token ids in the answer
     return_token_ids: bool | None = None
+    # vLLM's and SGLang's: the request's place in the queue under priority scheduling (queue_priority)
+    priority: int | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -561,6 +563,27 @@ class ChatCompletionRequest(_OpenAIRequest):
         )
 
 
+def queue_priority(priority: int | None, enabled: bool) -> int:
+    """A request's `priority` as the scheduler takes it (UserMsg.priority). Without priority scheduling only 0
+    (vLLM's default) or none is taken: another value would be a promise of an order the queue does not keep."""
+    if priority is None:
+        return 0
+    if not INT64_MIN <= priority <= INT64_MAX:
+        raise APIError(
+            f"priority={_short(priority)} is invalid: it must be an integer in [-2**63, 2**63 - 1]",
+            "priority",
+            "invalid_value",
+        )
+    if priority and not enabled:
+        raise APIError(
+            "priority orders the queue under priority scheduling, which is off on this server; start it with "
+            "--enable-priority-scheduling (or --scheduling-policy priority), or leave priority out",
+            "priority",
+            "unsupported_parameter",
+        )
+    return priority
+
+
 def _needs_parser(asked: str) -> APIError:
     """The error for a reasoning field (`asked`, "name: value") a server without a reasoning parser cannot do."""
     name = asked.split(":")[0]
@@ -668,6 +691,7 @@ class GenerateRequest(_Strict):
     stream: bool | None = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
+    priority: int | None = None  # as for the OpenAI routes (queue_priority)
 
     @field_validator("input_ids")
     @classmethod

@@ -222,7 +222,7 @@ class TokenizerWorker:
                 self.requests[uid].prompt = (ids, text)
             # a grammar holds the output from its first token: it starts as the answer (reasoning.py)
             self.requests[uid].reasoning_open = reasoning_open and params.grammar is None
-            out.append(UserMsg(uid, ids, params))
+            out.append(UserMsg(uid, ids, params, msg.priority))
             TRACE.point(uid, "tokenize")
         return out
 
