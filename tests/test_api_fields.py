@@ -110,7 +110,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"messages": CHAT, "priority": 1},
         "priority",
     ),
-    "priority-on-generate-without-priority-scheduling": ("/generate", {"text": "a", "priority": -2}, "priority"),
+    "priority-on-generate-without-priority-scheduling": (
+        "/generate",
+        {"text": "a", "priority": -2},
+        "priority",
+    ),
     "priority-as-a-string": ("/v1/completions", {"prompt": "a", "priority": "1"}, "priority"),
     "priority-as-a-bool": ("/v1/completions", {"prompt": "a", "priority": True}, "priority"),
     "priority-past-64-bits": ("/v1/completions", {"prompt": "a", "priority": 2**70}, "priority"),

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from test_server import SERVER_ARGS, Server
 
-from minisgl.tokenizer.reasoning import ReasoningParser, prompt_opens, reasoning_format
+from minisgl.tokenizer.reasoning import (
+    ReasoningCount,
+    ReasoningParser,
+    prompt_opens,
+    reasoning_format,
+    tag_ids,
+)
 
 QWEN3 = reasoning_format("qwen3")
 R1 = reasoning_format("deepseek_r1")  # vLLM's spelling of SGLang's deepseek-r1
@@ -91,7 +97,8 @@ FORCED = r"<think>\nI add 2 and 2\.\n</think>\n\nIt is 4\."
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Callable[[str], str]) -> Iterator[Server]:
-    s = Server(["--model", tiny_model("llama"), *SERVER_ARGS, "--reasoning-parser", "qwen3"])
+    # <think> and </think> are tokens of the tiny vocabulary, as of Qwen3's: the reasoning's tokens are counted
+    s = Server(["--model", tiny_model("llama-think"), *SERVER_ARGS, "--reasoning-parser", "qwen3"])
     s.name = s.client().models.list().data[0].id
     yield s
     s.stop()
@@ -118,6 +125,63 @@ def stream_parts(server: Server, **extra: Any) -> tuple[list[str], str]:
             reasoning.append(piece)
         content += delta.content or ""
     return reasoning, content
+
+
+def count(tokens: list[int], opened: bool = False) -> int:
+    counter = ReasoningCount((1, 2), opened)  # 1 opens, 2 closes
+    for t in tokens:
+        counter.add(t)
+    return counter.tokens
+
+
+def test_the_reasoning_tokens_are_those_between_the_tags() -> None:
+    assert count([1, 5, 6, 7, 2, 8, 9]) == 3  # the tags are not counted, nor the answer
+    assert count([5, 6, 2, 8], opened=True) == 2  # the prompt opened the block
+    assert count([5, 6, 2, 8]) == 0  # not opened: all answer
+    assert count([5, 1, 6, 2]) == 0  # a tag after the answer has started is text of the answer
+    assert count([1, 5, 6]) == 2  # cut off inside: all reasoning
+    assert count([1, 5, 2, 1, 6, 2]) == 1  # one block, as the parser takes it
+
+
+def test_tags_are_counted_only_where_they_are_tokens(tiny_model: Callable[[str], str]) -> None:
+    from transformers import AutoTokenizer
+
+    with_tags = AutoTokenizer.from_pretrained(tiny_model("llama-think"))
+    ids = tag_ids(with_tags, QWEN3)
+    assert ids is not None and with_tags.convert_ids_to_tokens(list(ids)) == ["<think>", "</think>"]
+    # <think> spelled in several pieces: no count (the answer's usage has no completion_tokens_details)
+    assert tag_ids(AutoTokenizer.from_pretrained(tiny_model("llama")), QWEN3) is None
+
+
+def test_the_usage_counts_the_reasoning_tokens(server: Server, tiny_model: Callable[[str], str]) -> None:
+    from transformers import AutoTokenizer
+
+    tags = tag_ids(AutoTokenizer.from_pretrained(tiny_model("llama-think")), QWEN3)
+    assert tags is not None
+    # the tags as tokens of their own wherever the regex allows them, not spelled in pieces
+    bias = {"logit_bias": {str(t): 100 for t in tags}, "return_token_ids": True}
+
+    def between_tags(ids: list[int]) -> int:
+        assert ids.count(tags[0]) == ids.count(tags[1]) == 1
+        return ids.index(tags[1]) - ids.index(tags[0]) - 1
+
+    reply = chat(server, n=2, temperature=1.0, extra_body=bias)
+    expected = [between_tags(c.token_ids) for c in reply.choices]  # type: ignore[attr-defined]
+    assert [c.message.reasoning_content for c in reply.choices] == ["I add 2 and 2."] * 2
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == sum(expected) > 0
+    # streamed (greedy, as the whole answer it is compared with): the last chunk's usage, and each chunk's own
+    # with continuous_usage_stats
+    whole = chat(server, extra_body=bias)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(chat(server, stream=True, stream_options=options, extra_body=bias))
+    counts = [c.usage.completion_tokens_details.reasoning_tokens for c in chunks if c.usage and c.choices]
+    n = between_tags(whole.choices[0].token_ids)  # type: ignore[attr-defined]
+    assert counts == sorted(counts) and counts[-1] == n
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == n
+    # a completion (no reasoning parser there) has no such field
+    done = server.client().completions.create(model=server.name, prompt="a", max_tokens=2)
+    assert done.usage is not None and done.usage.completion_tokens_details is None
 
 
 def test_the_answer_and_its_reasoning_in_their_fields(server: Server) -> None:

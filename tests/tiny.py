@@ -20,8 +20,9 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(folder: str) -> Any:
-    """A byte-level BPE tokenizer with a chat template, trained on a few sentences (no hub needed)."""
+def build_tokenizer(folder: str, think_tags: bool = False) -> Any:
+    """A byte-level BPE tokenizer with a chat template, trained on a few sentences (no hub needed);
+    `think_tags`: <think> and </think> are tokens of their own, as in Qwen3's vocabulary (added, not special)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,6 +39,8 @@ def build_tokenizer(folder: str) -> Any:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", unk_token="<|endoftext|>"
     )
+    if think_tags:
+        fast.add_tokens(["<think>", "</think>"])
     # Qwen3's way to switch thinking off: a variable a request may set (chat_template_kwargs)
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -65,6 +68,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-head-dim-128": ("qwen3", dict(head_dim=128)),
     "llama-head-dim-128-mha": ("llama", dict(head_dim=128, num_key_value_heads=4)),
     "llama-head-dim-128-gqa4": ("llama", dict(head_dim=128, num_key_value_heads=1)),
+    "llama-think": ("llama", dict(think_tags=True)),  # <think> and </think> one token each
     "qwen3-moe": ("qwen3_moe", dict(_MOE, norm_topk_prob=True)),  # top-2 weights rescaled to sum to one
     "qwen3-moe-unnormalised": ("qwen3_moe", dict(_MOE, norm_topk_prob=False)),
     # layers 0 and 2 dense by decoder_sparse_step, layer 3 dense by mlp_only_layers: only layer 1 has experts
@@ -107,7 +111,7 @@ def build_model(folder: str, arch: str = "llama", seed: int = 0, **overrides: An
         "qwen3_moe": Qwen3MoeConfig,
         "mistral": MistralConfig,
     }
-    tok = build_tokenizer(folder)
+    tok = build_tokenizer(folder, think_tags=overrides.pop("think_tags", False))
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tok),
         hidden_size=64,

@@ -76,6 +76,8 @@ class UserReply:
     prompt_logprobs: list[TokenLogprob] | None = None
     # with the first reply, when TokenizeMsg.reasoning is set: the prompt ends inside a reasoning block
     reasoning_open: bool | None = None
+    # with TokenizeMsg.reasoning, where the tags are tokens of the vocabulary: the output's tokens of reasoning so far
+    reasoning_tokens: int | None = None
 
 
 def merge_replies(first: UserReply, later: UserReply) -> UserReply:

@@ -77,6 +77,7 @@ class Choice:
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     reasoning_open: bool | None = None
+    reasoning_tokens: int | None = None  # where the worker counts them (UserReply.reasoning_tokens)
 
     @property
     def text(self) -> str:
@@ -97,6 +98,8 @@ class Choice:
             self.prompt_logprobs = reply.prompt_logprobs
         if reply.reasoning_open is not None:
             self.reasoning_open = reply.reasoning_open
+        if reply.reasoning_tokens is not None:
+            self.reasoning_tokens = reply.reasoning_tokens
         if reply.finished:
             self.finish_reason, self.error = reply.finish_reason, reply.error
             self.matched_stop, self.matched_eos = reply.matched_stop, reply.matched_eos
@@ -116,21 +119,31 @@ def _usage(choices: list[Choice], n: int) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in choices[::n])
     cached = sum(c.cached_tokens for c in choices[::n])
     completion = sum(c.completion_tokens for c in choices)
-    return {
+    usage = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    return _with_reasoning(usage, [c.reasoning_tokens for c in choices])
 
 
 def _choice_usage(reply: UserReply) -> dict[str, Any]:
     """One choice's usage so far, for stream_options.continuous_usage_stats."""
-    return {
+    usage = {
         "prompt_tokens": reply.prompt_tokens,
         "completion_tokens": reply.completion_tokens,
         "total_tokens": reply.prompt_tokens + reply.completion_tokens,
     }
+    return _with_reasoning(usage, [reply.reasoning_tokens])
+
+
+def _with_reasoning(usage: dict[str, Any], counts: list[int | None]) -> dict[str, Any]:
+    """OpenAI's completion_tokens_details.reasoning_tokens, where the reasoning was counted (a chat split by a
+    reasoning parser whose tags are tokens)."""
+    if any(n is not None for n in counts):
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(n or 0 for n in counts)}
+    return usage
 
 
 def system_fingerprint(model: str, max_seq_len: int) -> str:

@@ -17,6 +17,7 @@ token, so it starts as the answer: it has reasoning only where the grammar itsel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,39 @@ class ReasoningParser:
             self._held, text = text[len(body) :], body
         self._reasoned = self._reasoned or bool(text)
         return text
+
+
+def tag_ids(tokenizer: Any, fmt: ReasoningFormat) -> tuple[int, int] | None:
+    """The token ids of the format's opening and closing tags where each is one token of the vocabulary (as in
+    every thinking model's), else None: the reasoning's tokens are then not counted."""
+    ids = []
+    for tag in (fmt.start, fmt.end):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1 or tokenizer.decode(encoded) != tag:
+            return None
+        ids.append(int(encoded[0]))
+    return ids[0], ids[1]
+
+
+class ReasoningCount:
+    """How many of an output's tokens are reasoning (OpenAI's usage.completion_tokens_details.reasoning_tokens),
+    by the tags' token ids and the same rule as ReasoningParser: an opening tag as the first token, or an output
+    that starts inside the reasoning, begins it; the closing tag ends it. The tags are not counted."""
+
+    def __init__(self, tags: tuple[int, int], opened: bool) -> None:
+        self.start, self.end = tags
+        self.opened = opened
+        self.state = "start"  # start, reasoning, content
+        self.tokens = 0
+
+    def add(self, token: int) -> None:
+        if self.state == "start":
+            if token == self.start:
+                self.state = "reasoning"
+                return
+            self.state = "reasoning" if self.opened else "content"
+        if self.state == "reasoning":
+            if token == self.end:
+                self.state = "content"
+            else:
+                self.tokens += 1

@@ -39,7 +39,7 @@ from minisgl.message.frontend import (
 from minisgl.message.tokenizer import unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
-from minisgl.tokenizer.reasoning import prompt_opens, reasoning_format
+from minisgl.tokenizer.reasoning import ReasoningCount, prompt_opens, reasoning_format, tag_ids
 from minisgl.tokenizer.tokenize import Tokenization, TokenizeManager
 from minisgl.tokenizer.tokens import TokensJob
 from minisgl.utils.logger import init_logger
@@ -68,6 +68,7 @@ class _Request:
     # sent with the first reply, then dropped (TokenizeMsg.return_prompt)
     prompt: tuple[list[int], str] | None = None
     reasoning_open: bool | None = None  # sent with the first reply, then dropped (TokenizeMsg.reasoning)
+    reasoning_count: ReasoningCount | None = None  # with TokenizeMsg.reasoning, where its tags are tokens
     in_step: bool = False  # a message of the step being gathered is this request's
 
 
@@ -83,6 +84,7 @@ class TokenizerWorker:
     pending: deque[deque[TokenizeMsg | TokensMsg | TokensJob | Tokenization]] = field(default_factory=deque)
     _pending_uids: dict[int, TokenizeMsg] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
+    _tag_ids: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # by reasoning format
 
     def __post_init__(self) -> None:
         self.tokenize_manager = TokenizeManager(self.tokenizer, self.limits)
@@ -200,9 +202,13 @@ class TokenizerWorker:
         """The scheduler's requests for a prompt's choices; the prompt was tokenized once for all of them."""
         msg = job.msg
         out: list[BaseBackendMsg] = []
-        reasoning_open = None
+        reasoning_open = tags = None
         if msg.reasoning is not None:
-            reasoning_open = prompt_opens(reasoning_format(msg.reasoning), job.turn_opening or "")
+            fmt = reasoning_format(msg.reasoning)
+            reasoning_open = prompt_opens(fmt, job.turn_opening or "")
+            if fmt.name not in self._tag_ids:
+                self._tag_ids[fmt.name] = tag_ids(self.tokenizer, fmt)
+            tags = self._tag_ids[fmt.name]
         for uid, params in zip(msg.uids, msg.sampling_params):
             try:
                 # checked here too, so a bad request is answered before anything is queued
@@ -221,7 +227,10 @@ class TokenizerWorker:
                 text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
                 self.requests[uid].prompt = (ids, text)
             # a grammar holds the output from its first token: it starts as the answer (reasoning.py)
-            self.requests[uid].reasoning_open = reasoning_open and params.grammar is None
+            opened = reasoning_open and params.grammar is None
+            self.requests[uid].reasoning_open = opened
+            if tags is not None:
+                self.requests[uid].reasoning_count = ReasoningCount(tags, bool(opened))
             out.append(UserMsg(uid, ids, params, msg.priority))
             TRACE.point(uid, "tokenize")
         return out
@@ -285,6 +294,14 @@ class TokenizerWorker:
         if step.finish_reason == "stop":
             reply.matched_stop = req.detokenizer.matched if req.detokenizer.stopped else msg.next_token
             reply.matched_eos = msg.matched_eos and not req.detokenizer.stopped
+        count = req.reasoning_count
+        if count is not None:
+            # the stop token that ends the output is not in its text, nor in its reasoning
+            if msg.next_token >= 0 and not (
+                step.finish_reason == "stop" and reply.matched_stop == msg.next_token
+            ):
+                count.add(msg.next_token)
+            reply.reasoning_tokens = count.tokens
         if req.prompt is not None:
             reply.prompt_token_ids, reply.prompt_text = req.prompt
             req.prompt = None
