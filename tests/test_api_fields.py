@@ -119,6 +119,36 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
     "priority-as-a-bool": ("/v1/completions", {"prompt": "a", "priority": True}, "priority"),
     "priority-past-64-bits": ("/v1/completions", {"prompt": "a", "priority": 2**70}, "priority"),
     "priority-as-a-float": ("/generate", {"text": "a", "priority": 1.5}, "priority"),
+    "truncate-to-nothing": (
+        "/v1/completions",
+        {"prompt": "a", "truncate_prompt_tokens": 0},
+        "truncate_prompt_tokens",
+    ),
+    "truncate-below-minus-one": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "truncate_prompt_tokens": -2},
+        "truncate_prompt_tokens",
+    ),
+    "truncate-as-a-string": (
+        "/v1/completions",
+        {"prompt": "a", "truncate_prompt_tokens": "3"},
+        "truncate_prompt_tokens",
+    ),
+    "truncate-as-a-bool": (
+        "/v1/completions",
+        {"prompt": "a", "truncate_prompt_tokens": True},
+        "truncate_prompt_tokens",
+    ),
+    "truncate-past-64-bits": (
+        "/v1/completions",
+        {"prompt": [1, 2], "truncate_prompt_tokens": 2**64},
+        "truncate_prompt_tokens",
+    ),
+    "truncate-on-generate": (
+        "/generate",
+        {"text": "a", "truncate_prompt_tokens": 1},
+        "truncate_prompt_tokens",
+    ),
     "special-tokens-kept-as-a-number": (
         "/v1/chat/completions",
         {"messages": CHAT, "skip_special_tokens": 0},
@@ -609,3 +639,67 @@ def test_chat_template_kwargs_reach_the_template_and_the_rest_is_refused(
     ):
         status, got = post(server, path, body)
         assert status == 400 and got["error"]["param"] == "chat_template_kwargs", (path, body, got)
+
+
+# ---- truncate_prompt_tokens (vLLM's): the prompt's last tokens -------------------------------------
+def _completion(server: Server, name: str, prompt: Any, **extra: Any) -> Any:
+    body = {"return_token_ids": True, "ignore_eos": True, **extra.pop("extra_body", {})}
+    return server.client().completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=extra.pop("max_tokens", 4),
+        temperature=0,
+        extra_body=body,
+        **extra,
+    )
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    server: Server, name: str, tokenizer: Any
+) -> None:
+    ids = list(range(3, 40))
+    cut = _completion(server, name, ids, extra_body={"truncate_prompt_tokens": 5})
+    assert cut.choices[0].prompt_token_ids == ids[-5:] and cut.usage.prompt_tokens == 5  # type: ignore[attr-defined]
+    # the answer is that of the last tokens sent alone
+    assert cut.choices[0].token_ids == _completion(server, name, ids[-5:]).choices[0].token_ids  # type: ignore[attr-defined]
+    # a text: the last tokens of the whole text's tokens, and echo shows what was kept
+    text = "Once upon a time, there was a small engine that served many requests at once."
+    echoed = _completion(server, name, text, echo=True, extra_body={"truncate_prompt_tokens": 6})
+    kept = tokenizer(text)["input_ids"][-6:]
+    assert echoed.choices[0].prompt_token_ids == kept  # type: ignore[attr-defined]
+    assert echoed.choices[0].text.startswith(tokenizer.decode(kept))
+    # more than the prompt has: all of it
+    whole = _completion(server, name, ids, extra_body={"truncate_prompt_tokens": 2**62})
+    assert whole.choices[0].prompt_token_ids == ids  # type: ignore[attr-defined]
+
+
+def test_truncate_prompt_tokens_lets_a_prompt_longer_than_the_context_in(server: Server, name: str) -> None:
+    context = server.client().models.list().data[0].max_model_len  # type: ignore[attr-defined]
+    ids = [3 + i % 200 for i in range(context + 50)]
+    with pytest.raises(openai.BadRequestError) as over:
+        _completion(server, name, ids)
+    assert over.value.code == "context_length_exceeded"
+    # -1: as many of the last tokens as leave room for max_tokens
+    out = _completion(server, name, ids, max_tokens=10, extra_body={"truncate_prompt_tokens": -1})
+    assert out.choices[0].prompt_token_ids == ids[-(context - 10) :] and out.usage.completion_tokens == 10  # type: ignore[attr-defined]
+    # a chat: the rendered conversation's last tokens (the start of the conversation is what goes)
+    # (longer than the context, shorter than the characters the tokenizer takes whole: 8 a token of it)
+    messages = [{"role": "user", "content": "hello world " * (context // 2)}]
+    chat = server.client().chat.completions.create(
+        model=name,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 40, "return_token_ids": True},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 40
+    status, got = post(server, "/tokenize", {"messages": messages})
+    assert status == 200 and chat.prompt_token_ids == got["tokens"][-40:]  # type: ignore[attr-defined]
+    assert len(got["tokens"]) > context
+    # a text longer than the server tokenizes whole in one step is refused, saying what to send instead
+    status, got = post(
+        server,
+        "/v1/completions",
+        {"prompt": "ab " * (4 * context), "truncate_prompt_tokens": 8, "max_tokens": 1},
+    )
+    assert status == 400 and got["error"]["param"] == "truncate_prompt_tokens", got
+    assert "token ids" in got["error"]["message"]

@@ -34,6 +34,8 @@ class TokenizeMsg:
     # whether the prompt opens it
     reasoning: str | None = None
     priority: int = 0  # the choices' place in the scheduler's queue (UserMsg.priority)
+    # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens are kept (None: all)
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass

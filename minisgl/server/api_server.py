@@ -53,6 +53,7 @@ from minisgl.server.tools import (
 )
 from minisgl.tokenizer import template_kwargs
 from minisgl.tokenizer.reasoning import ReasoningFormat, ReasoningParser
+from minisgl.tokenizer.tokenize import TRUNCATE_CODE
 from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
@@ -597,7 +598,7 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
 
 # the field at fault for an error only the tokenizer worker finds (it knows the chat template), by its code: for
 # a generation's first reply and a /tokenize reply alike
-_WORKER_PARAMS = {template_kwargs.CODE: template_kwargs.PARAM}
+_WORKER_PARAMS = {template_kwargs.CODE: template_kwargs.PARAM, TRUNCATE_CODE: "truncate_prompt_tokens"}
 
 
 async def _close_on_disconnect(request: Request, group: RequestGroup) -> None:
@@ -775,8 +776,13 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await serve(request, *await read_request(request, chat_call))
 
+    def context_of(body: bytes) -> int | None:
+        """The context length a prompt is refused against as the body is read: none where the body may ask
+        for truncate_prompt_tokens, as a truncated prompt may be longer (the tokenizer checks what is kept)."""
+        return None if b"truncate_prompt_tokens" in body else info.max_seq_len
+
     def chat_call(body: bytes) -> Call:
-        req = parse_body(ChatCompletionRequest, body, info.max_seq_len)
+        req = parse_body(ChatCompletionRequest, body, context_of(body))
         req.check_fields()
         model = model_of(req.model)
         texts, n = req.chat(), req.num_choices
@@ -796,6 +802,7 @@ def create_app(
             chat_template_kwargs=req.chat_template_kwargs or None,
             reasoning=None if reasoning is None else reasoning.name,
             priority=queue_priority(req.priority, info.priority_scheduling),
+            truncate_prompt_tokens=req.kept_prompt_tokens(info.max_seq_len, params.max_tokens),
             **req.template_options,
         )
         fmt = ChatFormat(
@@ -816,7 +823,7 @@ def create_app(
 
     def completion_call(body: bytes) -> Call:
         refuse_many_prompt_lists(body, "prompt")
-        req = parse_body(CompletionRequest, body, info.max_seq_len)
+        req = parse_body(CompletionRequest, body, context_of(body))
         req.check_fields()
         model = model_of(req.model)
         prompts, n = req.prompts(), req.num_choices
@@ -830,6 +837,9 @@ def create_app(
         special = req.add_special_tokens is not False
         priority = queue_priority(req.priority, info.priority_scheduling)
         msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt, special, priority)
+        keep = req.kept_prompt_tokens(info.max_seq_len, params.max_tokens)
+        for msg in msgs:
+            msg.truncate_prompt_tokens = keep
         fmt = CompletionFormat(
             model,
             n,

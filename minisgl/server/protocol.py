@@ -296,6 +296,8 @@ class _OpenAIBase(_Strict):
     return_token_ids: bool | None = None
     # vLLM's and SGLang's: the request's place in the queue under priority scheduling (queue_priority)
     priority: int | None = None
+    # vLLM's: only the prompt's last tokens are kept (kept_prompt_tokens)
+    truncate_prompt_tokens: int | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -307,6 +309,23 @@ class _OpenAIBase(_Strict):
     @property
     def num_choices(self) -> int:
         return _num_choices(self.n, "n")
+
+    def kept_prompt_tokens(self, max_seq_len: int, max_tokens: int) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all): k >= 1 keeps k; -1
+        (vLLM's "the model's length") as many as leave room for `max_tokens`, at least one."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == -1:
+            return max_seq_len - min(max_tokens, max_seq_len - 1)
+        if not 1 <= keep <= INT64_MAX:
+            raise APIError(
+                f"truncate_prompt_tokens={_short(keep)} is invalid: it must be an integer >= 1 (the prompt's "
+                "last tokens kept), or -1 (as many as leave room for max_tokens)",
+                "truncate_prompt_tokens",
+                "invalid_value",
+            )
+        return keep
 
     @property
     def include_usage(self) -> bool:

@@ -23,6 +23,8 @@ _CHARS_PER_TOKEN = 8
 _CUT_SLACK = 16
 # the most characters counted in one step (15-25 ms of a fast tokenizer on one core)
 _PIECE_CHARS = 32 << 10
+# the error code of a text too long to tokenize whole for truncate_prompt_tokens (the API names that field by it)
+TRUNCATE_CODE = "prompt_too_long_to_truncate"
 
 
 class TokenizeManager:
@@ -63,17 +65,18 @@ class TokenizeManager:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        truncated: bool = False,
     ) -> list[tuple[str, bool]]:
         """The conversation in the chat template as render_chat's pieces; a conversation the template
-        refuses, one of more messages than the context has tokens, or template_kwargs the template does not
-        take (template_kwargs.py) raise RequestError."""
+        refuses, one of more messages than the context has tokens (unless the prompt is `truncated` to its
+        last tokens), or template_kwargs the template does not take (template_kwargs.py) raise RequestError."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
                 None,
                 "no_chat_template",
             )
-        if len(messages) >= self.limits.max_seq_len:
+        if len(messages) >= self.limits.max_seq_len and not truncated:
             # every message the template writes is at least one token
             raise prompt_too_long(len(messages) - 1, self.limits.max_seq_len, at_least=True)
         self._refuse_control_text(messages, tools)
@@ -121,10 +124,21 @@ class LengthProof:
     what the proof needs and no more, and no step is longer than one piece.
     """
 
-    def __init__(self, manager: TokenizeManager, text: str) -> None:
+    def __init__(self, manager: TokenizeManager, text: str, truncate: int | None = None) -> None:
+        """`truncate`: only the text's last tokens are kept, so its length is no error; it is then tokenized whole
+        in one step, which a text of more characters than a proof would count whole takes too long for
+        (RequestError)."""
         self.tokenizer, self.text = manager.tokenizer, text
         self.max_seq_len = manager.limits.max_seq_len
         size = _CHARS_PER_TOKEN * self.max_seq_len
+        if truncate is not None and len(text) > size:
+            raise RequestError(
+                f"the prompt has {len(text):,} characters, more than the {size:,} that truncate_prompt_tokens "
+                f"takes on this server ({_CHARS_PER_TOKEN} a token of its context of {self.max_seq_len:,}); "
+                "send the end of the text, or its token ids",
+                "truncate_prompt_tokens",
+                TRUNCATE_CODE,
+            )
         self.at = len(text) if len(text) <= size else 0  # a text this short needs no proof
         self.piece = min(size, _PIECE_CHARS)
         self.count = self.cuts = 0
@@ -172,7 +186,8 @@ class Tokenization:
     def step(self) -> list[int] | None:
         msg, manager = self.msg, self.manager
         if msg.messages is None and msg.text is None:
-            return list(msg.input_ids or [])
+            return self._truncated(list(msg.input_ids or []))
+        truncate = msg.truncate_prompt_tokens
         if self._proof is None:
             if msg.messages is not None:
                 self._pieces = manager.render(
@@ -181,12 +196,25 @@ class Tokenization:
                     msg.add_generation_prompt,
                     msg.continue_final_message,
                     msg.chat_template_kwargs,
+                    truncated=truncate is not None,
                 )
-                self._proof = LengthProof(manager, "".join(p for p, _ in self._pieces))
+                self._proof = LengthProof(manager, "".join(p for p, _ in self._pieces), truncate)
                 return None
-            self._proof = LengthProof(manager, msg.text or "")
+            self._proof = LengthProof(manager, msg.text or "", truncate)
         if not self._proof.step():
             return None
         if self._pieces is not None:
-            return chat_pieces_ids(manager.tokenizer, self._pieces)
-        return list(manager.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens))
+            return self._truncated(chat_pieces_ids(manager.tokenizer, self._pieces))
+        return self._truncated(
+            list(manager.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens))
+        )
+
+    def _truncated(self, ids: list[int]) -> list[int]:
+        """The prompt's last msg.truncate_prompt_tokens tokens (vLLM's left truncation), or all of them."""
+        keep = self.msg.truncate_prompt_tokens
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep :]
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the prompt may have lost tokens to truncate_prompt_tokens (its text is then not the ids')."""
+        return self.msg.truncate_prompt_tokens is not None

@@ -224,7 +224,8 @@ class TokenizerWorker:
             )
             self.requests[uid] = _Request(detokenizer, len(ids))
             if msg.return_prompt:
-                text = msg.text if msg.text is not None else self.tokenizer.decode(ids)
+                kept = msg.text is not None and not job.truncated
+                text = msg.text if kept else self.tokenizer.decode(ids)
                 self.requests[uid].prompt = (ids, text)
             # a grammar holds the output from its first token: it starts as the answer (reasoning.py)
             opened = reasoning_open and params.grammar is None
