@@ -144,6 +144,15 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"prompt": [1, 2], "truncate_prompt_tokens": 2**64},
         "truncate_prompt_tokens",
     ),
+    "request-id-empty": ("/v1/chat/completions", {"messages": CHAT, "request_id": ""}, "request_id"),
+    "request-id-with-a-space": ("/v1/completions", {"prompt": "a", "request_id": "a b"}, "request_id"),
+    "request-id-with-a-newline": (
+        "/v1/completions",
+        {"prompt": "a", "request_id": "a\nINFO forged"},
+        "request_id",
+    ),
+    "request-id-too-long": ("/v1/completions", {"prompt": "a", "request_id": "x" * 257}, "request_id"),
+    "request-id-a-number": ("/v1/completions", {"prompt": "a", "request_id": 5}, "request_id"),
     "truncate-on-generate": (
         "/generate",
         {"text": "a", "truncate_prompt_tokens": 1},
@@ -703,3 +712,24 @@ def test_truncate_prompt_tokens_lets_a_prompt_longer_than_the_context_in(server:
     )
     assert status == 400 and got["error"]["param"] == "truncate_prompt_tokens", got
     assert "token ids" in got["error"]["message"]
+
+
+def test_request_id_names_the_answer_and_its_chunks(server: Server, name: str) -> None:
+    client = server.client()
+    chat = client.chat.completions.create(
+        model=name,
+        messages=CHAT,
+        max_tokens=2,
+        extra_body={"request_id": "call-7_b"},  # type: ignore[arg-type]
+    )
+    assert chat.id == "chatcmpl-call-7_b"
+    chunks = list(
+        client.completions.create(
+            model=name, prompt="a", max_tokens=3, stream=True, extra_body={"request_id": "x" * 256}
+        )
+    )
+    assert {c.id for c in chunks} == {"cmpl-" + "x" * 256}
+    # without one, each call its own
+    ids = {client.completions.create(model=name, prompt="a", max_tokens=1).id for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
+    assert "chatcmpl-call-7_b" in server.log

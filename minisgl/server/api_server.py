@@ -201,8 +201,10 @@ class _Format:
         continuous_usage: bool = False,
         return_token_ids: bool = False,
         logprobs_asked: bool = False,
+        request_id: str | None = None,
     ) -> None:
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        # vLLM's request_id: the client's name for the call, in the answer's id and the server's log
+        self.id = f"{self.id_prefix}-{request_id if request_id is not None else uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.include_usage = model, n, include_usage
         self.fingerprint, self.continuous_usage = fingerprint, continuous_usage
@@ -745,6 +747,7 @@ def create_app(
             "fingerprint": fingerprint,
             "continuous_usage": req.continuous_usage,
             "return_token_ids": bool(req.return_token_ids),
+            "request_id": req.checked_request_id(),
         }
 
     async def tokens(request: Request, msg: TokensMsg, param: str) -> TokensReply:

@@ -252,6 +252,10 @@ def _token_keys(bias: dict[str, float], param: str) -> dict[int, float]:
     return out
 
 
+# the longest request_id taken: an id, not a payload (it is written into every chunk of a stream)
+MAX_REQUEST_ID = 256
+
+
 def _num_choices(n: int | None, param: str) -> int:
     if n is None:
         return 1
@@ -298,6 +302,8 @@ class _OpenAIBase(_Strict):
     priority: int | None = None
     # vLLM's: only the prompt's last tokens are kept (kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the client's name for the call, in the answer's id (checked_request_id)
+    request_id: str | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -309,6 +315,21 @@ class _OpenAIBase(_Strict):
     @property
     def num_choices(self) -> int:
         return _num_choices(self.n, "n")
+
+    def checked_request_id(self) -> str | None:
+        """request_id as the answer's id takes it (after "chatcmpl-" or "cmpl-"): 1 to MAX_REQUEST_ID printable
+        characters, no whitespace, so that it reads as one word in the server's log and in the id."""
+        rid = self.request_id
+        if rid is not None and not (
+            0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and not any(c.isspace() for c in rid)
+        ):
+            raise APIError(
+                f"request_id={_short(rid)} is invalid: it must be 1 to {MAX_REQUEST_ID} printable characters "
+                "without whitespace",
+                "request_id",
+                "invalid_value",
+            )
+        return rid
 
     def kept_prompt_tokens(self, max_seq_len: int, max_tokens: int) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all): k >= 1 keeps k; -1
