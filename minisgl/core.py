@@ -50,6 +50,7 @@ class Req:
         self.cache_handle = cache_handle
         self.seed = seed
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at admission
+        self.cache_salt: str | None = None  # UserMsg.cache_salt: its prefix cache namespace
 
     @property
     def extend_len(self) -> int:

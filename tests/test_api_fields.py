@@ -103,7 +103,13 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"prompt": "a", "stream_options": {"include_usage": True}},
         "stream_options",
     ),
-    "cache-salt": ("/v1/completions", {"prompt": "a", "cache_salt": "s"}, "cache_salt"),
+    "cache-salt-empty": ("/v1/completions", {"prompt": "a", "cache_salt": ""}, "cache_salt"),
+    "cache-salt-too-long": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "cache_salt": "s" * 1025},
+        "cache_salt",
+    ),
+    "cache-salt-a-number": ("/v1/completions", {"prompt": "a", "cache_salt": 7}, "cache_salt"),
     # this server runs without priority scheduling: a priority it would not keep is refused (0 is taken)
     "priority-without-priority-scheduling": (
         "/v1/chat/completions",
@@ -733,3 +739,17 @@ def test_request_id_names_the_answer_and_its_chunks(server: Server, name: str) -
     ids = {client.completions.create(model=name, prompt="a", max_tokens=1).id for _ in range(2)}
     assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
     assert "chatcmpl-call-7_b" in server.log
+
+
+def test_cache_salt_shares_cached_prefixes_only_within_a_salt(server: Server, name: str) -> None:
+    prompt = [5 + (i * 7) % 250 for i in range(60)]  # no other test sends it: nothing of it is cached yet
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        out = _completion(server, name, prompt, extra_body={} if salt is None else {"cache_salt": salt})
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0, out.choices[0].token_ids  # type: ignore[attr-defined]
+
+    runs = [cached(salt) for salt in ("secret-a", "secret-a", "secret-b", None, None, "secret-b")]
+    # the first of each salt (and of the unsalted) computes the whole prompt; the second reads it from the cache
+    assert [n > 0 for n, _ in runs] == [False, True, False, False, True, True]
+    assert all(tokens == runs[0][1] for _, tokens in runs)  # the same greedy answer whatever was cached

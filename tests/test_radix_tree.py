@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -161,3 +162,19 @@ class RadixAgainstModel(RuleBasedStateMachine):
 
 TestRadixAgainstModel = RadixAgainstModel.TestCase
 TestRadixAgainstModel.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_salted_prefix_is_matched_only_under_its_salt(page_size: int) -> None:
+    from minisgl.scheduler.cache import cache_key
+
+    cache = RadixPrefixCache(page_size)
+    ids = list(range(10, 26))
+    cache.insert_prefix(cache_key(ids, "a"), list(range(len(ids) // page_size)))
+    assert cache.match_prefix(cache_key(ids, "a")).length == 16
+    assert cache.match_prefix(cache_key(ids, "b")).length == 0
+    assert cache.match_prefix(ids).length == 0
+    cache.insert_prefix(ids, list(range(100, 100 + len(ids) // page_size)))
+    assert cache.match_prefix(ids).pages == list(range(100, 100 + len(ids) // page_size))
+    assert cache.match_prefix(cache_key(ids, "a")).pages == list(range(len(ids) // page_size))
+    assert cache_key(ids, None) is ids and cache_key([], "a") == []

@@ -20,6 +20,9 @@ class UserMsg(BaseBackendMsg):
     # the request's place in the prefill queue under priority scheduling, as the client sent it (the
     # scheduler's config says whether high or low values go first); 0 without
     priority: int = 0
+    # vLLM's cache_salt: the request shares cached prefixes only with requests of the same salt (None: the
+    # unsalted requests), so that no client can learn from its cache hits what another's prompts were
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ class TokenizeMsg:
     priority: int = 0  # the choices' place in the scheduler's queue (UserMsg.priority)
     # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens are kept (None: all)
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None  # the choices' prefix cache namespace (UserMsg.cache_salt)
 
 
 @dataclass

@@ -72,12 +72,13 @@ class CacheManager:
         """Tokens of KV that could be handed out now: free pages plus what eviction could free."""
         return (len(self.free_pages) + self.prefix_cache.evictable_pages) * self.page_size
 
-    def match_req(self, input_ids: list[int], computes_all: bool = False) -> MatchResult:
-        """The cached prefix a new request starts from; `computes_all`: none, the whole prompt is computed."""
+    def match_req(self, key: list[Any], computes_all: bool = False) -> MatchResult:
+        """The cached prefix a new request starts from (`key`: its prompt's cache_key); `computes_all`: none,
+        the whole prompt is computed."""
         if computes_all:
             return MatchResult(None, [], 0)
         # the last prompt token is always computed: its logits give the first output token
-        return self.prefix_cache.match_prefix(input_ids[:-1])
+        return self.prefix_cache.match_prefix(key[:-1])
 
     def lock(self, handle: Any) -> None:
         self.prefix_cache.lock(handle)
@@ -235,7 +236,7 @@ class CacheManager:
         num = kv_len // self.page_size
         if num <= row.shared:
             return
-        tokens = req.input_ids[: num * self.page_size]
+        tokens = cache_key(req.input_ids[: num * self.page_size], req.cache_salt)
         known = self.prefix_cache.insert_prefix(tokens, row.pages[:num]) // self.page_size
         # pages of ours the cache already had from another request: use its copy, free ours
         duplicates = row.pages[row.shared : known]
@@ -304,3 +305,12 @@ class CacheManager:
             first_slots = self.page_table[idx, : len(r.pages) * ps : ps].tolist()
             if first_slots != [p * ps for p in r.pages]:
                 raise AssertionError(f"page table row {idx} does not point at the pages it holds")
+
+
+def cache_key(input_ids: list[int], salt: str | None) -> list[Any]:
+    """The tokens as the prefix cache keys them: as they are, or with a salt (vLLM's cache_salt) paired with the
+    first, so that the prefix shares no page with another salt's or with the unsalted requests' (the tree
+    compares keys item by item: a pair never equals a token id, nor a pair of another salt)."""
+    if salt is None or not input_ids:
+        return input_ids
+    return [(salt, input_ids[0]), *input_ids[1:]]

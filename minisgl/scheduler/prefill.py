@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from minisgl.core import Batch, ChunkedReq, Req
-from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.cache import CacheManager, cache_key
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.table import TableManager
 from minisgl.scheduler.utils import PendingReq
@@ -30,7 +31,7 @@ class PrefillAdder:
     cache_manager: CacheManager
     table_manager: TableManager
     in_batch_prefix_share: int  # see _waits_for_batch
-    batch_prompts: list[list[int]] = field(default_factory=list)
+    batch_prompts: list[list[Any]] = field(default_factory=list)  # their cache keys
 
     def try_add_one(self, pending_req: PendingReq) -> Req | None:
         if self.token_budget <= 0:
@@ -42,9 +43,10 @@ class PrefillAdder:
         cm = self.cache_manager
         # prompt logprobs need the logits of every prompt position: a cached prefix has none
         computes_all = pending_req.sampling_params.prompt_logprobs is not None
-        match = cm.match_req(pending_req.input_ids, computes_all)
+        key = cache_key(pending_req.input_ids, pending_req.cache_salt)
+        match = cm.match_req(key, computes_all)
         # waiting for a shared prefix to be cached gains nothing to a request that does not use the cache
-        if not computes_all and self._waits_for_batch(pending_req.input_ids, match.length):
+        if not computes_all and self._waits_for_batch(key, match.length):
             return None
         cm.lock(match.handle)  # locked first, so the room counted below excludes the matched pages
         # whole pages for prompt + max_tokens, as check_request counts them: a request it lets
@@ -70,8 +72,8 @@ class PrefillAdder:
         self.reserved_size += self.cache_manager.room_needed(chunked.table_idx, max_len)
         return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
 
-    def _waits_for_batch(self, input_ids: list[int], cached_len: int) -> bool:
-        """Whether the prompt shares in_batch_prefix_share or more uncached tokens (whole pages, the last left out
+    def _waits_for_batch(self, input_ids: list[Any], cached_len: int) -> bool:
+        """Whether the prompt (its cache key: a salt shares nothing with another) shares in_batch_prefix_share or more uncached tokens (whole pages, the last left out
         as in match_req) with one admitted to this batch or the last; a shorter overlap (a chat header) is not
         worth a step."""
         if self.in_batch_prefix_share == 0 or self.cache_manager.cache_type == "naive":
@@ -80,7 +82,7 @@ class PrefillAdder:
         return len(head) < len(input_ids) and any(p[: len(head)] == head for p in self.batch_prompts)
 
     def _make_req(self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object) -> Req:
-        self.batch_prompts.append(pending_req.input_ids)
+        self.batch_prompts.append(cache_key(pending_req.input_ids, pending_req.cache_salt))
         extend_len = pending_req.input_len - cached_len
         chunk = min(extend_len, self.token_budget)
         self.token_budget -= chunk
@@ -95,6 +97,7 @@ class PrefillAdder:
             cache_handle=handle,
             seed=pending_req.seed,
         )
+        req.cache_salt = pending_req.cache_salt
         if cls is ChunkedReq:
             req.device_len = cached_len + chunk
         if pending_req.chunked_req is None:
@@ -112,7 +115,7 @@ class PrefillManager:
     in_batch_prefix_share: int
     pending_list: list[PendingReq] = field(default_factory=list)
     # the prompts of the last prefill batch: under overlap its KV may not be in the cache yet
-    last_prompts: list[list[int]] = field(default_factory=list)
+    last_prompts: list[list[Any]] = field(default_factory=list)
 
     def add_one_req(self, pending_req: PendingReq) -> None:
         """Queue behind every request of its rank or lower (so equal ranks keep their arrival order), and
@@ -154,7 +157,7 @@ class PrefillManager:
                 pending_req.chunked_req = req
                 chunked_list.append(pending_req)
             reqs.append(req)
-        self.last_prompts = [r.input_ids for r in reqs]
+        self.last_prompts = [cache_key(r.input_ids, r.cache_salt) for r in reqs]
         if not reqs:
             return None
         # an unfinished chunked request goes to the head of the queue and continues first next step

@@ -369,6 +369,7 @@ class Scheduler(SchedulerIOMixin):
             params = msg.sampling_params
             pending = PendingReq(msg.uid, list(msg.input_ids), params, params.resolved_seed(), max_tokens)
             pending.rank = self.config.queue_rank(msg.priority)
+            pending.cache_salt = msg.cache_salt
             self.prefill_manager.add_one_req(pending)
             TRACE.point(msg.uid, "queued")
         elif isinstance(msg, AbortBackendMsg):

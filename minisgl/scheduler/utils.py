@@ -21,6 +21,7 @@ class PendingReq:
     # the queue's order: a lower rank is admitted first, equal ranks in arrival order (0 for every request
     # without priority scheduling: first come first served)
     rank: int = 0
+    cache_salt: str | None = None  # UserMsg.cache_salt
 
     @property
     def input_len(self) -> int:

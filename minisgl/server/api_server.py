@@ -806,6 +806,7 @@ def create_app(
             reasoning=None if reasoning is None else reasoning.name,
             priority=queue_priority(req.priority, info.priority_scheduling),
             truncate_prompt_tokens=req.kept_prompt_tokens(info.max_seq_len, params.max_tokens),
+            cache_salt=req.cache_salt,
             **req.template_options,
         )
         fmt = ChatFormat(
@@ -842,7 +843,7 @@ def create_app(
         msgs = _prompt_msgs(prompts, choice_params(params, n), return_prompt, special, priority)
         keep = req.kept_prompt_tokens(info.max_seq_len, params.max_tokens)
         for msg in msgs:
-            msg.truncate_prompt_tokens = keep
+            msg.truncate_prompt_tokens, msg.cache_salt = keep, req.cache_salt
         fmt = CompletionFormat(
             model,
             n,

@@ -252,6 +252,8 @@ def _token_keys(bias: dict[str, float], param: str) -> dict[int, float]:
     return out
 
 
+# the longest cache_salt taken: a secret of a few hundred bits, not a payload (it keys the prefix cache)
+MAX_CACHE_SALT = 1024
 # the longest request_id taken: an id, not a payload (it is written into every chunk of a stream)
 MAX_REQUEST_ID = 256
 
@@ -291,7 +293,7 @@ class _OpenAIBase(_Strict):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     store: bool | None = None
-    # vLLM's: a salt that keeps a request out of other requests' prefix cache; refused, there is no such cache
+    # vLLM's: a request shares the prefix cache only with requests of the same salt (CacheManager.cache_key)
     cache_salt: str | None = None
     # vLLM's: spaces between control tokens kept in the text (by the sampling field skip_special_tokens:
     # false); true (the default) is transformers' decode as it is, false refused
@@ -374,11 +376,12 @@ class _OpenAIBase(_Strict):
                 "service_tier",
                 "unsupported_parameter",
             )
-        if self.cache_salt is not None:
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
             raise APIError(
-                "cache_salt is not supported: the prefix cache is shared by every request of this server",
+                f"cache_salt is invalid: it must be a string of 1 to {MAX_CACHE_SALT} characters (vLLM asks for "
+                "a random one, 43 characters of base64 for 256 bits)",
                 "cache_salt",
-                "unsupported_parameter",
+                "invalid_value",
             )
         if self.spaces_between_special_tokens is False:
             raise APIError(

@@ -232,7 +232,7 @@ class TokenizerWorker:
             self.requests[uid].reasoning_open = opened
             if tags is not None:
                 self.requests[uid].reasoning_count = ReasoningCount(tags, bool(opened))
-            out.append(UserMsg(uid, ids, params, msg.priority))
+            out.append(UserMsg(uid, ids, params, msg.priority, msg.cache_salt))
             TRACE.point(uid, "tokenize")
         return out
 
