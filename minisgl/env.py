@@ -170,6 +170,11 @@ class _Env:
         self.API_KEY = EnvVar(
             "MINISGL_API_KEY", "", "the key every HTTP route but /health requires (--api-key; empty: none)"
         )
+        self.HEALTH_GENERATE_TIMEOUT = EnvVar(
+            "MINISGL_HEALTH_GENERATE_TIMEOUT",
+            20,
+            "seconds /health_generate waits for the engine to generate before it answers 503 (SGLang's 20)",
+        )
         self.TRACE = EnvVar(
             "MINISGL_TRACE", "", "write a timeline trace (Perfetto / Chrome JSON) of the run to this path"
         )

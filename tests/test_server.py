@@ -174,6 +174,11 @@ def test_health_and_models_describe_the_served_model(server: Server, model_dir: 
     status, body = server.request("GET", "/v1/models/no-such-model")
     assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert server.request("GET", "/version") == (200, {"version": minisgl.__version__})
+    # SGLang's: what its clients read at connection, and the check that the engine generates
+    status, got = server.request("GET", "/get_model_info")
+    assert status == 200 and got["model_path"] == model_dir and got["is_generation"] is True
+    assert got["max_model_len"] == 512 and got["served_model_names"] == [models[0].id]
+    assert server.request("GET", "/health_generate") == (200, {"status": "ok"})
 
 
 def test_chat_completion_equals_offline_greedy_text(server: Server, offline: LLM, model_name: str) -> None:
@@ -641,6 +646,25 @@ def test_a_dead_worker_takes_the_server_down_with_a_log_line(model_dir: str) -> 
     assert s.wait(60) == 1
     assert re.search(r"the scheduler process \(pid \d+\) was killed by SIGKILL; shutting down", s.log)
     assert _wait_gone(s.children) == set()
+
+
+def test_health_generate_fails_while_the_engine_is_stopped_and_passes_again(model_dir: str) -> None:
+    s = Server(["--model", model_dir, *SERVER_ARGS], env={"MINISGL_HEALTH_GENERATE_TIMEOUT": "2"})
+    try:
+        scheduler = int(re.search(r"scheduler \(pid (\d+)\)", s.log).group(1))
+        os.kill(scheduler, signal.SIGSTOP)
+        start = time.monotonic()
+        status, got = s.request("GET", "/health_generate")
+        assert status == 503 and got["error"]["code"] == "engine_unavailable", got
+        assert 2 <= time.monotonic() - start < 10
+        assert s.request("GET", "/health") == (200, {"status": "ok"})  # the processes are alive
+        os.kill(scheduler, signal.SIGCONT)
+        assert s.request("GET", "/health_generate") == (200, {"status": "ok"})
+        # the check's own requests leave nothing behind (the stopped one included)
+        m = _wait_metrics(s, lambda m: m["minisgl_requests_in_flight"] == 0)
+        assert m["sglang:num_running_reqs"] == 0 and m["minisgl_kv_pages_held"] == 0
+    finally:
+        s.stop()
 
 
 def test_a_bad_option_fails_fast_with_a_message() -> None:

@@ -1,5 +1,6 @@
 """The HTTP API (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and /v1/models, SGLang's
-/generate, /tokenize and /detokenize (server/tokens_api.py), and /health, /version and /metrics.
+/generate, /tokenize and /detokenize (server/tokens_api.py), /get_model_info and /health_generate, and /health,
+/version and /metrics.
 
 Every call becomes a RequestGroup of sub-requests (prompts x choices). The server waits for each
 sub-request's first reply before it answers, so a prompt the model cannot take is a 400 with an
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minisgl
 from minisgl.core import SamplingParams
+from minisgl.env import ENV
 from minisgl.message.frontend import TokenizeMsg, TokenLogprob, TokensMsg, TokensReply, UserReply
 from minisgl.server.auth import ApiKeyGuard
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
@@ -703,6 +705,50 @@ def create_app(
         if failure is not None:
             return JSONResponse(APIError(failure, None, "engine_unavailable", 503).body(), status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """SGLang's deeper check: the engine generates. A one-token request is sent; the answer is 200 once it
+        finishes, or as soon as the engine gives other requests tokens meanwhile (a busy engine is alive even
+        where the check waits in its queue), 503 after MINISGL_HEALTH_GENERATE_TIMEOUT seconds without either."""
+        client = client_of(request)
+        before = client.metrics.generation_tokens
+        try:
+            group = client.submit(
+                [TokenizeMsg([SamplingParams(max_tokens=1)], input_ids=[0])], "health_generate"
+            )
+        except EngineUnavailable as e:
+            raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
+        wait_s = ENV.HEALTH_GENERATE_TIMEOUT.value
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                try:
+                    _, reply = await asyncio.wait_for(group.get(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    if client.metrics.generation_tokens > before:
+                        return JSONResponse({"status": "ok"})
+                    if time.monotonic() > deadline:
+                        error = f"the engine generated nothing in {wait_s} s"
+                        raise APIError(error, None, "engine_unavailable", 503, "server_error") from None
+                    continue
+                if reply.finish_reason == "error":
+                    raise APIError(reply.error or "", None, "engine_unavailable", 503, "server_error")
+                if reply.finished:
+                    return JSONResponse({"status": "ok"})
+        finally:
+            group.close()
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        """SGLang's: what SGLang's clients read at connection (its frontend language's RuntimeEndpoint)."""
+        return {
+            "model_path": info.model_path if info.model_path is not None else info.model_name,
+            "tokenizer_path": info.model_path if info.model_path is not None else info.model_name,
+            "is_generation": True,
+            "served_model_names": info.served_names,
+            "max_model_len": info.max_seq_len,
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
