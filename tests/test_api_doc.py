@@ -15,6 +15,7 @@ from minisgl.server.protocol import (
     GenerateRequest,
     GenerateSamplingParams,
 )
+from minisgl.server.responses import ResponsesRequest
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")
@@ -41,6 +42,7 @@ def _documented(section: str) -> set[str]:
     [
         ("## Chat completions", [ChatCompletionRequest, ChatMessage]),
         ("## Completions", [CompletionRequest]),
+        ("## Responses", [ResponsesRequest]),
         ("## SGLang", [GenerateRequest, GenerateSamplingParams]),
         ("## Tokens", [TokenizeRequest, DetokenizeRequest]),
     ],

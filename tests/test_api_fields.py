@@ -750,6 +750,8 @@ def test_cache_salt_shares_cached_prefixes_only_within_a_salt(server: Server, na
         return out.usage.prompt_tokens_details.cached_tokens or 0, out.choices[0].token_ids  # type: ignore[attr-defined]
 
     runs = [cached(salt) for salt in ("secret-a", "secret-a", "secret-b", None, None, "secret-b")]
-    # the first of each salt (and of the unsalted) computes the whole prompt; the second reads it from the cache
-    assert [n > 0 for n, _ in runs] == [False, True, False, False, True, True]
+    # the first of each salt computes the whole prompt; the second reads all of it but the last token from the
+    # cache. (The unsalted first may find a first token or two that other tests' prompts began with, never more.)
+    hits = [n for n, _ in runs]
+    assert hits[:3] == [0, 59, 0] and hits[3] < 10 and hits[4:] == [59, 59], hits
     assert all(tokens == runs[0][1] for _, tokens in runs)  # the same greedy answer whatever was cached

@@ -95,13 +95,16 @@ CHAT = [{"role": "user", "content": "hello world"}]
 FORCED = r"<think>\nI add 2 and 2\.\n</think>\n\nIt is 4\."
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Callable[[str], str]) -> Iterator[Server]:
-    # <think> and </think> are tokens of the tiny vocabulary, as of Qwen3's: the reasoning's tokens are counted
+def reasoning_server(tiny_model: Callable[[str], str]) -> Iterator[Server]:
+    """A server with --reasoning-parser qwen3 on a tiny model whose vocabulary has <think> and </think> as
+    tokens, as Qwen3's has (the reasoning's tokens are counted): this module's, and test_responses.py's."""
     s = Server(["--model", tiny_model("llama-think"), *SERVER_ARGS, "--reasoning-parser", "qwen3"])
     s.name = s.client().models.list().data[0].id
     yield s
     s.stop()
+
+
+server = pytest.fixture(reasoning_server, scope="module", name="server")
 
 
 def chat(server: Server, **extra: Any) -> Any:

@@ -1,6 +1,6 @@
-"""The HTTP API (FastAPI): OpenAI's /v1/chat/completions, /v1/completions and /v1/models, SGLang's
-/generate, /tokenize and /detokenize (server/tokens_api.py), /get_model_info and /health_generate, and /health,
-/version and /metrics.
+"""The HTTP API (FastAPI): OpenAI's /v1/chat/completions, /v1/completions, /v1/responses (server/responses.py)
+and /v1/models, SGLang's /generate, /tokenize and /detokenize (server/tokens_api.py), /get_model_info and
+/health_generate, and /health, /version and /metrics.
 
 Every call becomes a RequestGroup of sub-requests (prompts x choices). The server waits for each
 sub-request's first reply before it answers, so a prompt the model cannot take is a 400 with an
@@ -44,6 +44,15 @@ from minisgl.server.protocol import (
     queue_priority,
     refuse_many_prompt_lists,
 )
+from minisgl.server.responses import (
+    ResponsesRequest,
+    ResponseStream,
+    message_item,
+    new_id,
+    reasoning_item,
+    status_of,
+)
+from minisgl.server.responses import usage as response_usage
 from minisgl.server.tokens_api import DetokenizeRequest, TokenizeRequest
 from minisgl.server.tools import (
     ToolPlan,
@@ -234,6 +243,19 @@ class _Format:
         if not self.include_usage:
             return None
         return self._envelope([], usage=_usage(choices, self.n))
+
+    def sse(self, event: dict[str, Any]) -> str:
+        """One event of the stream as it is written."""
+        return _sse(event)
+
+    def error_event(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The event of an error once the stream has started (an API error body)."""
+        return body
+
+    def end(self, choices: list[Choice]) -> list[str]:
+        """What the stream ends with once every choice has: the usage chunk where asked for, and [DONE]."""
+        usage = self.usage_chunk(choices)
+        return ([] if usage is None else [_sse(usage)]) + ["data: [DONE]\n\n"]
 
     def _envelope(
         self, choices: list[dict[str, Any]], reply: UserReply | None = None, **extra: Any
@@ -509,6 +531,107 @@ def _completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+class ResponsesFormat(_Format):
+    """OpenAI's Responses API (server/responses.py): one choice, answered as a response object with output
+    items, streamed as response.* events."""
+
+    prompt_param = "input"
+    id_prefix = "resp"
+    object = "response"
+
+    def __init__(
+        self,
+        model: str,
+        req: Any,
+        params: SamplingParams,
+        reasoning: ReasoningFormat | None,
+        request_id: str | None,
+    ) -> None:
+        super().__init__(model, 1, include_usage=False, request_id=request_id)
+        self.id = f"resp_{request_id if request_id is not None else uuid.uuid4().hex}"  # OpenAI's spelling
+        self.req, self.params, self.reasoning = req, params, reasoning
+        self._parser: ReasoningParser | None = None
+        self._stream: ResponseStream | None = None
+
+    def head(self) -> dict[str, Any]:
+        """The response object less its status, output and usage: what the request set."""
+        req = self.req
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": "in_progress",
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [],
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+            "truncation": "disabled",
+            "store": False,
+            "background": False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "user": req.user,
+            "usage": None,
+        }
+
+    def _split(self, reply: UserReply) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", reply.text
+        if self._parser is None:  # the first reply says where the prompt left off
+            self._parser = ReasoningParser(self.reasoning, bool(reply.reasoning_open))
+        return self._parser.step(reply.text, reply.finished)
+
+    def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
+        out = []
+        if self._stream is None:
+            self._stream = ResponseStream(self.head())
+            out += self._stream.start()
+        out += self._stream.feed(*self._split(reply))
+        if reply.finished and reply.finish_reason != "error":
+            status, incomplete = status_of(reply.finish_reason)
+            counts = reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens, reply.reasoning_tokens
+            out += self._stream.finish(status, incomplete, response_usage(*counts))
+        return out
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        c = choices[0]
+        reasoning, text = "", c.text
+        if self.reasoning is not None:
+            reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
+        status, incomplete = status_of(c.finish_reason)
+        item_status = "completed" if status == "completed" else "incomplete"
+        output = [reasoning_item(new_id("rs"), reasoning, item_status)] if reasoning else []
+        output.append(message_item(new_id("msg"), text, item_status))
+        counts = c.prompt_tokens, c.cached_tokens, c.completion_tokens, c.reasoning_tokens
+        return self.head() | {
+            "status": status,
+            "incomplete_details": incomplete,
+            "output": output,
+            "usage": response_usage(*counts),
+        }
+
+    def sse(self, event: dict[str, Any]) -> str:
+        return f"event: {event['type']}\n{_sse(event)}"
+
+    def error_event(self, body: dict[str, Any]) -> dict[str, Any]:
+        error = body["error"]
+        seq = self._stream.seq if self._stream is not None else 0
+        return {"type": "error", "code": error["code"], "message": error["message"], "param": error["param"],
+                "sequence_number": seq}  # fmt: skip
+
+    def end(self, choices: list[Choice]) -> list[str]:
+        return []  # the last event said so (response.completed, .incomplete or .failed); no [DONE]
 
 
 class GenerateFormat(_Format):
@@ -867,6 +990,27 @@ def create_app(
         )
         return [msg], fmt, bool(req.stream)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve(request, *await read_request(request, responses_call))
+
+    def responses_call(body: bytes) -> Call:
+        req = parse_body(ResponsesRequest, body, info.max_seq_len)
+        req.check_fields()
+        model = model_of(req.model)
+        params = req.sampling_params()
+        within_context(req.max_output_tokens, "max_output_tokens")
+        reasoning = info.reasoning
+        msg = TokenizeMsg(
+            [params],
+            messages=req.messages(),
+            reasoning=None if reasoning is None else reasoning.name,
+            priority=queue_priority(req.priority, info.priority_scheduling),
+            cache_salt=req.cache_salt,
+        )
+        fmt = ResponsesFormat(model, req, params, reasoning, req.checked_request_id())
+        return [msg], fmt, bool(req.stream)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await serve(request, *await read_request(request, completion_call))
@@ -1012,22 +1156,17 @@ async def _stream(
             events = []
             for i, reply in coalesce(pending):
                 reply = fmt.view(reply)
-                events += [_sse(chunk) for chunk in fmt.chunks(i, reply, choices[i])]
+                events += [fmt.sse(chunk) for chunk in fmt.chunks(i, reply, choices[i])]
                 choices[i].add(reply)
                 if reply.finish_reason == "error":
-                    events.append(
-                        _sse(APIError(reply.error or "the request failed", None, reply.error_code).body())
-                    )
+                    body = APIError(reply.error or "the request failed", None, reply.error_code).body()
+                    events.append(fmt.sse(fmt.error_event(body)))
             if all(c.finish_reason is not None for c in choices):
                 break
             if events:
                 yield "".join(events)
             pending = await group.get_all()
-        usage = fmt.usage_chunk(choices)
-        if usage is not None:
-            events.append(_sse(usage))
-        events.append("data: [DONE]\n\n")
-        yield "".join(events)
+        yield "".join(events + fmt.end(choices))
     finally:
         watcher.cancel()
         group.close()

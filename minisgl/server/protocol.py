@@ -281,18 +281,35 @@ def _checked_prompts(prompts: list[Prompt], param: str) -> list[Prompt]:
     return prompts
 
 
-class _OpenAIBase(_Strict):
-    model: str | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    # NO_OP_FIELDS
+class OpenAILabels(_Strict):
+    """OpenAI's fields of every generation route that change nothing computed here (NO_OP_FIELDS), and store."""
+
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     store: bool | None = None
+
+    def check_labels(self, kept: str) -> None:
+        """Refuse store: true (nothing is stored: `kept` names what) and a service tier other than this server."""
+        if self.store:
+            raise APIError(
+                f"store: true is not supported; this server keeps no {kept}", "store", "unsupported_parameter"
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(
+                f"service_tier={_short(self.service_tier)} is not supported; use auto or default",
+                "service_tier",
+                "unsupported_parameter",
+            )
+
+
+class _OpenAIBase(OpenAILabels):
+    model: str | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
     # vLLM's: a request shares the prefix cache only with requests of the same salt (CacheManager.cache_key)
     cache_salt: str | None = None
     # vLLM's: spaces between control tokens kept in the text (by the sampling field skip_special_tokens:
@@ -319,19 +336,7 @@ class _OpenAIBase(_Strict):
         return _num_choices(self.n, "n")
 
     def checked_request_id(self) -> str | None:
-        """request_id as the answer's id takes it (after "chatcmpl-" or "cmpl-"): 1 to MAX_REQUEST_ID printable
-        characters, no whitespace, so that it reads as one word in the server's log and in the id."""
-        rid = self.request_id
-        if rid is not None and not (
-            0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and not any(c.isspace() for c in rid)
-        ):
-            raise APIError(
-                f"request_id={_short(rid)} is invalid: it must be 1 to {MAX_REQUEST_ID} printable characters "
-                "without whitespace",
-                "request_id",
-                "invalid_value",
-            )
-        return rid
+        return checked_request_id(self.request_id)
 
     def kept_prompt_tokens(self, max_seq_len: int, max_tokens: int) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all): k >= 1 keeps k; -1
@@ -364,25 +369,8 @@ class _OpenAIBase(_Strict):
             raise APIError(
                 "stream_options is only allowed when stream is true", "stream_options", "invalid_value"
             )
-        if self.store:
-            raise APIError(
-                "store: true is not supported; this server keeps no completions",
-                "store",
-                "unsupported_parameter",
-            )
-        if self.service_tier not in (None, "auto", "default"):
-            raise APIError(
-                f"service_tier={_short(self.service_tier)} is not supported; use auto or default",
-                "service_tier",
-                "unsupported_parameter",
-            )
-        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
-            raise APIError(
-                f"cache_salt is invalid: it must be a string of 1 to {MAX_CACHE_SALT} characters (vLLM asks for "
-                "a random one, 43 characters of base64 for 256 bits)",
-                "cache_salt",
-                "invalid_value",
-            )
+        self.check_labels("completions")
+        check_cache_salt(self.cache_salt)
         if self.spaces_between_special_tokens is False:
             raise APIError(
                 "spaces_between_special_tokens: false is not supported; control tokens kept in the text "
@@ -603,6 +591,32 @@ class ChatCompletionRequest(_OpenAIRequest):
             return self._sampling_params(max_tokens, logprobs)
         return self._sampling_params(
             max_tokens, logprobs, {**_OPENAI_NAMES, "max_tokens": "max_completion_tokens"}
+        )
+
+
+def checked_request_id(rid: str | None) -> str | None:
+    """vLLM's request_id as the answer's id takes it (after "chatcmpl-", "cmpl-" or "resp_"): 1 to MAX_REQUEST_ID
+    printable characters, no whitespace, so that it reads as one word in the server's log and in the id."""
+    if rid is not None and not (
+        0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable() and not any(c.isspace() for c in rid)
+    ):
+        raise APIError(
+            f"request_id={_short(rid)} is invalid: it must be 1 to {MAX_REQUEST_ID} printable characters "
+            "without whitespace",
+            "request_id",
+            "invalid_value",
+        )
+    return rid
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """vLLM's cache_salt: 1 to MAX_CACHE_SALT characters."""
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise APIError(
+            f"cache_salt is invalid: it must be a string of 1 to {MAX_CACHE_SALT} characters (vLLM asks for "
+            "a random one, 43 characters of base64 for 256 bits)",
+            "cache_salt",
+            "invalid_value",
         )
 
 

@@ -1,0 +1,192 @@
+"""OpenAI's Responses API (`POST /v1/responses`) against a real server on a tiny model, through the openai
+client: the answer equals the chat route's for the same conversation, the stream's events come in OpenAI's order,
+a reasoning parser's reasoning is an output item, and what the server does not do is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from test_reasoning import FORCED as THINK
+from test_reasoning import reasoning_server
+from test_server import Server
+
+# the reasoning tests' server; THINK is what a regex constraint makes its model write: a reasoning block, then
+# the answer
+server_fixture = pytest.fixture(reasoning_server, scope="module", name="server")
+
+
+def respond(server: Server, **kwargs: Any) -> Any:
+    kwargs = {"model": server.name, "max_output_tokens": 8, "temperature": 0, **kwargs}
+    return server.client().responses.create(**kwargs)
+
+
+def chat(server: Server, messages: list[dict[str, Any]], max_tokens: int = 8, **extra: Any) -> Any:
+    return server.client().chat.completions.create(
+        model=server.name,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body=extra or None,  # type: ignore[arg-type]
+    )
+
+
+def test_a_text_input_is_answered_as_the_chat_route_answers_it(server: Server) -> None:
+    got = respond(server, input="hello world")
+    want = chat(server, [{"role": "user", "content": "hello world"}])
+    assert got.id.startswith("resp_") and got.object == "response" and got.model == server.name
+    assert got.output_text == want.choices[0].message.content
+    assert [item.type for item in got.output] == ["message"]
+    assert got.output[0].role == "assistant" and got.output[0].content[0].type == "output_text"
+    # cut at max_output_tokens: incomplete, and says why
+    assert (got.status, got.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert got.usage.input_tokens == want.usage.prompt_tokens and got.usage.output_tokens == 8
+    assert got.usage.total_tokens == got.usage.input_tokens + 8
+    assert (got.max_output_tokens, got.temperature, got.instructions) == (8, 0.0, None)
+
+
+def test_instructions_and_messages_make_the_conversation(server: Server) -> None:
+    got = respond(
+        server,
+        instructions="Answer briefly.",
+        input=[
+            {"role": "developer", "content": [{"type": "input_text", "text": "No lists."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "hello "},
+                    {"type": "input_text", "text": "world"},
+                ],
+            },
+        ],
+    )
+    want = chat(
+        server,
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "system", "content": "No lists."},
+            {"role": "user", "content": "hello world"},
+        ],
+    )
+    assert got.output_text == want.choices[0].message.content and got.instructions == "Answer briefly."
+    # the next turn sends the answer's output items back as they came, with the new message
+    later = respond(server, input=[{"role": "user", "content": "hello world"}, *[o.model_dump() for o in got.output],
+                                   {"role": "user", "content": "and?"}])  # fmt: skip
+    earlier = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": got.output_text}]
+    assert (
+        later.output_text
+        == chat(server, [*earlier, {"role": "user", "content": "and?"}]).choices[0].message.content
+    )
+
+
+def test_the_stream_comes_as_openais_events(server: Server) -> None:
+    whole = respond(server, input="hello world", max_output_tokens=6)
+    events = list(respond(server, input="hello world", max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1].response
+    assert deltas == whole.output_text == last.output_text == events[-4].text
+    assert last.usage.output_tokens == 6 and last.status == "incomplete"
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert events[2].item.id == events[-2].item.id == last.output[0].id
+
+
+def test_a_reasoning_parser_answers_the_reasoning_as_an_output_item(server: Server) -> None:
+    body = {
+        "regex": THINK,
+        "logit_bias": {str(t): 100 for t in _tag_ids(server)},
+    }  # the tags as tokens of their own
+    got = respond(server, input="What is 2 + 2?", max_output_tokens=80, extra_body=body)
+    assert got.status == "completed" and got.incomplete_details is None
+    assert [item.type for item in got.output] == ["reasoning", "message"]
+    assert got.output[0].content[0].text == "I add 2 and 2." and got.output_text == "It is 4."
+    assert got.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(respond(server, input="What is 2 + 2?", max_output_tokens=80, stream=True, extra_body=body))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "I add 2 and 2." and events[-1].type == "response.completed"
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+    # sent back in the next turn, the reasoning item goes to the assistant message after it
+    again = respond(server, input=[{"role": "user", "content": "What is 2 + 2?"},
+                                   *[o.model_dump() for o in got.output], {"role": "user", "content": "and 3 + 3?"}],
+                    max_output_tokens=80, extra_body=body)  # fmt: skip
+    assert again.output_text == "It is 4."
+
+
+def _tag_ids(server: Server) -> list[int]:
+    ids = []
+    for tag in ("<think>", "</think>"):
+        status, got = server.request(
+            "POST", "/tokenize", json.dumps({"prompt": tag, "add_special_tokens": False}).encode()
+        )
+        assert status == 200 and len(got["tokens"]) == 1, got  # one token each in this vocabulary
+        ids += got["tokens"]
+    return ids
+
+
+def test_text_format_holds_the_output_to_a_schema(server: Server) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    text = {"format": {"type": "json_schema", "name": "count", "schema": schema, "strict": True}}
+    got = respond(server, input="a number", max_output_tokens=60, text=text)
+    assert isinstance(json.loads(got.output_text)["n"], int)
+    assert got.text.format.type == "json_schema"
+
+
+REFUSED = {
+    "store": {"store": True},
+    "previous_response_id": {"previous_response_id": "resp_1"},
+    "background": {"background": True},
+    "tools": {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+    "tool_choice": {"tool_choice": "required"},
+    "include": {"include": ["reasoning.encrypted_content"]},
+    "reasoning": {"reasoning": {"effort": "high"}},
+    "truncation": {"truncation": "auto"},
+    "top_logprobs": {"top_logprobs": 2},
+    "input[0].type": {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    "input[0].content[0]": {
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    },
+    "input[0].name": {"input": [{"role": "user", "content": "a", "name": "x"}]},
+    "input[0].role": {"input": [{"role": "tool", "content": "a"}]},
+    "input[0]": {
+        "input": [{"type": "reasoning", "summary": [], "content": []}, {"role": "user", "content": "a"}]
+    },
+    "input": {"input": []},
+    "text.format.type": {"text": {"format": {"type": "grammar"}}},
+    "max_output_tokens": {"max_output_tokens": 0},
+    "temperature": {"temperature": -1},
+    "max_tokens": {"max_tokens": 5},
+    "request_id": {"request_id": "a b"},
+}
+
+
+@pytest.mark.parametrize("param", list(REFUSED))
+def test_what_the_server_does_not_do_is_refused_naming_the_field(server: Server, param: str) -> None:
+    body = {"model": server.name, "input": "a", **REFUSED[param]}
+    status, got = server.request("POST", "/v1/responses", json.dumps(body).encode())
+    assert status == 400, got
+    assert got["error"]["param"] == param, got
+
+
+def test_request_id_names_the_response(server: Server) -> None:
+    got = respond(server, input="a", max_output_tokens=1, extra_body={"request_id": "job-42"})
+    assert got.id == "resp_job-42"
+    with pytest.raises(openai.NotFoundError):
+        respond(server, input="a", model="no-such-model")
