@@ -755,3 +755,27 @@ def test_cache_salt_shares_cached_prefixes_only_within_a_salt(server: Server, na
     hits = [n for n, _ in runs]
     assert hits[:3] == [0, 59, 0] and hits[3] < 10 and hits[4:] == [59, 59], hits
     assert all(tokens == runs[0][1] for _, tokens in runs)  # the same greedy answer whatever was cached
+
+
+def test_flush_cache_empties_the_prefix_cache_when_nothing_runs(server: Server, name: str) -> None:
+    prompt = [7 + (i * 11) % 240 for i in range(40)]
+
+    def cached() -> int:
+        out = _completion(server, name, prompt, max_tokens=2)
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    cached()
+    assert cached() == 39
+    # SGLang's route (GET or POST) and vLLM's
+    for method, path in (("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/reset_prefix_cache")):
+        status, got = server.request(method, path)
+        assert status == 200 and got["status"] == "ok", got
+        assert cached() == 0  # computed in full again, then cached for the next
+    # refused while a request runs: a flush then would empty only what no request holds
+    stream = server.client().completions.create(
+        model=name, prompt=prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    status, got = server.request("POST", "/flush_cache")
+    assert status == 400 and got["error"]["code"] == "server_busy", got
+    stream.close()

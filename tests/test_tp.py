@@ -98,8 +98,13 @@ def test_ranks_stay_in_step_through_sampling_aborts_and_stop_strings(
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
         llm.step_observers.clear()
         assert out[1]["finish_reason"] == "abort"
-        # the ranks agree after all that: greedy again equals a fresh single-rank engine
+        # the ranks agree after all that: greedy again equals a fresh single-rank engine, and again once every
+        # rank has emptied its prefix cache (a rank that kept its own would compute other positions)
         again = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert llm.reset_prefix_cache() and llm.cache_manager.prefix_cache.total_pages == 0
+        cold = llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert [o["token_ids"] for o in cold] == [o["token_ids"] for o in again]
+        assert all(o["cached_tokens"] == 0 for o in cold) and any(o["cached_tokens"] for o in again)
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
@@ -214,6 +219,10 @@ def test_a_tp2_server_answers_like_tp1_and_stops_every_rank(model_dir: str, serv
         s = serving.Server(["--model", model_dir, "--tp-size", str(tp), *serving.SERVER_ARGS])
         try:
             texts[tp] = _greedy_completions(s, PROMPTS[:3], 8)
+            # every rank empties its prefix cache: the same answers, computed again in full
+            status, got = s.request("POST", "/flush_cache")
+            assert status == 200 and got["freed_pages"] > 0, got
+            assert _greedy_completions(s, PROMPTS[:3], 8) == texts[tp]
         finally:
             assert s.stop(signal.SIGTERM) == 0
         assert _wait_gone(s.children) == set()

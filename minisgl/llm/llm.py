@@ -11,6 +11,7 @@ from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.message.backend import FlushCacheMsg
 from minisgl.message.tokenizer import TokenStepMsg
 from minisgl.params import INT64_MAX, INT64_MIN
 from minisgl.scheduler.check import check_params
@@ -302,6 +303,15 @@ class LLM(Scheduler):
         server takes them; `priority` as for generate."""
         prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache between generate calls, on every rank (a benchmark's cold start);
+        True once emptied."""
+        if self.tp_info.size > 1:
+            # the other ranks wait for rank 0's next messages: they take this one and empty theirs
+            self._broadcast_msgs([FlushCacheMsg(0)])
+        reply = self.flush_cache()
+        return reply.error is None
 
     def _priorities(self, priority: list[int] | None, n: int) -> list[int]:
         """generate's `priority` checked: one integer a prompt, and priority scheduling on to use them."""

@@ -36,5 +36,13 @@ class ExitMsg(BaseBackendMsg):
 
 
 @dataclass
+class FlushCacheMsg(BaseBackendMsg):
+    """Empty the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache): from the API server through the
+    tokenizer worker to the scheduler, which answers with a FlushCacheReply of the same uid."""
+
+    uid: int
+
+
+@dataclass
 class BatchBackendMsg(BaseBackendMsg):
     data: list[BaseBackendMsg] = field(default_factory=list)

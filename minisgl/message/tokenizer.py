@@ -25,6 +25,16 @@ class DetokenizeMsg:
 
 
 @dataclass
+class FlushCacheReply:
+    """The scheduler's answer to a FlushCacheMsg: the pages the prefix cache gave back, or why it was not
+    emptied (requests were running or waiting)."""
+
+    uid: int
+    freed_pages: int = 0
+    error: str | None = None
+
+
+@dataclass
 class TokenStepMsg:
     """The plain part of a scheduler step: request `uids[i]` produced `tokens[i]` and runs on.
 

@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from minisgl.core import SamplingParams
-from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
+from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, FlushCacheMsg, UserMsg
 from minisgl.message.frontend import (
     AbortMsg,
     SchedulerStats,
@@ -22,7 +22,7 @@ from minisgl.message.frontend import (
     TokensReply,
     UserReply,
 )
-from minisgl.message.tokenizer import DetokenizeMsg, TokenStepMsg
+from minisgl.message.tokenizer import DetokenizeMsg, FlushCacheReply, TokenStepMsg
 
 _TAG = "__msg__"
 _CLASSES: dict[str, type] = {
@@ -32,9 +32,11 @@ _CLASSES: dict[str, type] = {
         UserMsg,
         AbortBackendMsg,
         ExitMsg,
+        FlushCacheMsg,
         BatchBackendMsg,
         DetokenizeMsg,
         TokenStepMsg,
+        FlushCacheReply,
         TokenizeMsg,
         AbortMsg,
         TokenLogprob,

@@ -210,6 +210,12 @@ class CacheManager:
                 self._release(self._lazy_freed)
                 self._lazy_freed.clear()
 
+    def flush(self) -> int:
+        """Empty the prefix cache of every page no request holds; the number of pages freed."""
+        freed = self.prefix_cache.evict(self.prefix_cache.evictable_pages)
+        self._free(freed)
+        return len(freed)
+
     def _free(self, pages: list[int]) -> None:
         if self._lazy_depth:
             self._lazy_freed.extend(pages)

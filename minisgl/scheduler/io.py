@@ -19,7 +19,7 @@ import torch
 from minisgl.distributed import DistributedInfo
 from minisgl.message import BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
 from minisgl.message.frontend import SchedulerStats
-from minisgl.message.tokenizer import TokenStepMsg
+from minisgl.message.tokenizer import FlushCacheReply, TokenStepMsg
 from minisgl.scheduler.config import SchedulerConfig
 
 
@@ -38,7 +38,7 @@ class SchedulerIOMixin:
         assert self._zmq_io is not None, "offline mode needs a subclass (LLM) that feeds requests"
         return self._zmq_io.receive_msg(blocking)
 
-    def send_result(self, reply: list[DetokenizeMsg | TokenStepMsg]) -> None:
+    def send_result(self, reply: list[DetokenizeMsg | TokenStepMsg | FlushCacheReply]) -> None:
         assert self._zmq_io is not None, "offline mode needs a subclass (LLM) that collects results"
         stats: SchedulerStats = self.stats()  # type: ignore[attr-defined]
         self._zmq_io.send_result([*reply, stats])
@@ -76,7 +76,7 @@ class SchedulerIOMixin:
         dist.broadcast(data, src=0, group=self.tp_cpu_group)
         return msgs if root else pickle.loads(data.numpy().tobytes())
 
-    def reply(self, reply: list[DetokenizeMsg | TokenStepMsg]) -> None:
+    def reply(self, reply: list[DetokenizeMsg | TokenStepMsg | FlushCacheReply]) -> None:
         if self.tp_info.rank == 0:
             self.send_result(reply)
 

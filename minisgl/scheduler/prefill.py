@@ -73,9 +73,9 @@ class PrefillAdder:
         return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
 
     def _waits_for_batch(self, input_ids: list[Any], cached_len: int) -> bool:
-        """Whether the prompt (its cache key: a salt shares nothing with another) shares in_batch_prefix_share or more uncached tokens (whole pages, the last left out
-        as in match_req) with one admitted to this batch or the last; a shorter overlap (a chat header) is not
-        worth a step."""
+        """Whether the prompt (its cache key: a salt shares nothing with another) shares in_batch_prefix_share
+        or more uncached tokens (whole pages, the last left out as in match_req) with one admitted to this batch
+        or the last; a shorter overlap (a chat header) is not worth a step."""
         if self.in_batch_prefix_share == 0 or self.cache_manager.cache_type == "naive":
             return False
         head = input_ids[: align_up(cached_len + self.in_batch_prefix_share, self.cache_manager.page_size)]

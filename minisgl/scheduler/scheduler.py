@@ -15,8 +15,9 @@ from minisgl.engine.prepare import ForwardInput
 from minisgl.engine.sample import LogprobsOutput, PromptLogprobsOutput
 from minisgl.env import ENV
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, ExitMsg, UserMsg
+from minisgl.message.backend import FlushCacheMsg
 from minisgl.message.frontend import SchedulerStats
-from minisgl.message.tokenizer import TokenStepMsg
+from minisgl.message.tokenizer import FlushCacheReply, TokenStepMsg
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.scheduler.config import SchedulerConfig
@@ -374,6 +375,8 @@ class Scheduler(SchedulerIOMixin):
             TRACE.point(msg.uid, "queued")
         elif isinstance(msg, AbortBackendMsg):
             self._abort(msg.uid)
+        elif isinstance(msg, FlushCacheMsg):
+            self.reply([self.flush_cache(msg.uid)])
         else:
             raise NotImplementedError(f"Unknown message type: {type(msg)}")
 
@@ -427,6 +430,18 @@ class Scheduler(SchedulerIOMixin):
             kv_pages_evictable=cm.prefix_cache.evictable_pages,
             page_size=cm.page_size,
         )
+
+    def flush_cache(self, uid: int = 0) -> FlushCacheReply:
+        """Empty the prefix cache, only when no request runs or waits (SGLang's rule: a running request's
+        pages are held, so a flush then would empty the cache only in part and tell a benchmark otherwise)."""
+        busy = len(self.decode_manager.running_reqs) + len(self.prefill_manager.pending_list)
+        if busy:
+            return FlushCacheReply(
+                uid, error=f"{busy} requests are running or waiting; flush once they are done"
+            )
+        freed = self.cache_manager.flush()
+        logger.info_rank0(f"prefix cache flushed: {freed} pages freed")
+        return FlushCacheReply(uid, freed)
 
     def abort_all(self) -> None:
         """Abort every waiting and running request, freeing what each holds (after an error in the loop)."""

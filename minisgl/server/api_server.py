@@ -873,6 +873,19 @@ def create_app(
             "max_model_len": info.max_seq_len,
         }
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/reset_prefix_cache")
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's /flush_cache and vLLM's /reset_prefix_cache: the prefix cache emptied, so that the next
+        request computes its whole prompt (a benchmark's cold start); refused while requests run or wait."""
+        try:
+            reply = await client_of(request).flush_cache()
+        except EngineUnavailable as e:
+            raise APIError(str(e), None, "engine_unavailable", 503, "server_error") from e
+        if reply.error is not None:
+            raise APIError(f"the prefix cache was not flushed: {reply.error}", None, "server_busy", 400)
+        return JSONResponse({"status": "ok", "freed_pages": reply.freed_pages})
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         text = client_of(request).metrics.render(body_bytes_held=bodies.held)

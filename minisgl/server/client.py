@@ -13,8 +13,11 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
+from minisgl.message.backend import FlushCacheMsg
 from minisgl.message.frontend import AbortMsg, SchedulerStats, TokenizeMsg, TokensMsg, TokensReply, UserReply
+from minisgl.message.tokenizer import FlushCacheReply
 from minisgl.server.metrics import Metrics
 from minisgl.tokenizer.reasoning import ReasoningFormat
 from minisgl.tokenizer.tool_parser import ToolSupport
@@ -127,7 +130,8 @@ class EngineClient:
         self._from_worker = ZmqAsyncPullQueue(replies_addr)
         self._groups: dict[int, RequestGroup] = {}  # by uid, until that sub-request finishes
         self._next_uid = 0
-        self._lookups: dict[int, asyncio.Future[TokensReply]] = {}  # /tokenize and /detokenize calls
+        # /tokenize, /detokenize and /flush_cache calls waiting for their reply
+        self._lookups: dict[int, asyncio.Future[Any]] = {}
         self._next_lookup = 0
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
@@ -170,7 +174,15 @@ class EngineClient:
         return group
 
     async def tokens(self, msg: TokensMsg) -> TokensReply:
-        """Ask the worker to tokenize or detokenize (`msg.uid` is assigned here) and wait for its answer."""
+        """Ask the worker to tokenize or detokenize and wait for its answer."""
+        return await self._ask(msg)
+
+    async def flush_cache(self) -> FlushCacheReply:
+        """Ask the scheduler to empty the prefix cache (through the worker) and wait for its answer."""
+        return await self._ask(FlushCacheMsg(0))
+
+    async def _ask(self, msg: Any) -> Any:
+        """Send a message answered by one reply of its uid (assigned here), and wait for that reply."""
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         msg.uid, self._next_lookup = self._next_lookup, self._next_lookup + 1
@@ -201,7 +213,7 @@ class EngineClient:
             for msg in await self._from_worker.get():
                 if isinstance(msg, SchedulerStats):
                     self.metrics.scheduler = msg
-                elif isinstance(msg, TokensReply):
+                elif isinstance(msg, (TokensReply, FlushCacheReply)):
                     future = self._lookups.get(msg.uid)
                     if future is not None and not future.done():
                         future.set_result(msg)

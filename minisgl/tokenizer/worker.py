@@ -26,6 +26,7 @@ import zmq
 
 from minisgl.core import RequestError
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, BatchBackendMsg, DetokenizeMsg, UserMsg
+from minisgl.message.backend import FlushCacheMsg
 from minisgl.message.frontend import (
     AbortMsg,
     SchedulerStats,
@@ -36,7 +37,7 @@ from minisgl.message.frontend import (
     UserReply,
     merge_replies,
 )
-from minisgl.message.tokenizer import unpack_step
+from minisgl.message.tokenizer import FlushCacheReply, unpack_step
 from minisgl.scheduler.check import RequestLimits, check_request
 from minisgl.tokenizer.detokenize import DetokenizeStep, IncrementalDetokenizer, step_batch
 from minisgl.tokenizer.reasoning import ReasoningCount, prompt_opens, reasoning_format, tag_ids
@@ -126,6 +127,8 @@ class TokenizerWorker:
                 elif isinstance(msg, TokenizeMsg):
                     call.append(msg)
                     self._pending_uids.update(dict.fromkeys(msg.uids, msg))
+                elif isinstance(msg, FlushCacheMsg):
+                    to_scheduler.append(msg)  # the scheduler answers it
                 elif isinstance(msg, AbortMsg):
                     waiting = self._pending_uids.pop(msg.uid, None)
                     if waiting is None:
@@ -245,6 +248,8 @@ class TokenizerWorker:
         for msg in (m for batch in batches for m in unpack_step(batch)):
             if isinstance(msg, SchedulerStats):
                 stats = msg  # only the newest counts
+            elif isinstance(msg, FlushCacheReply):
+                replies.append(msg)
             elif isinstance(msg, DetokenizeMsg):
                 req = self.requests.get(msg.uid)
                 if req is not None and req.in_step:
