@@ -153,13 +153,20 @@ REFUSED = {
     "store": {"store": True},
     "previous_response_id": {"previous_response_id": "resp_1"},
     "background": {"background": True},
-    "tools": {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
-    "tool_choice": {"tool_choice": "required"},
+    "tools[0].type": {"tools": [{"type": "web_search"}]},
+    "tools[0].name": {"tools": [{"type": "function", "name": "no spaces"}]},
+    "tool_choice": {"tool_choice": "required"},  # without tools
     "include": {"include": ["reasoning.encrypted_content"]},
     "reasoning": {"reasoning": {"effort": "high"}},
     "truncation": {"truncation": "auto"},
     "top_logprobs": {"top_logprobs": 2},
-    "input[0].type": {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    "input[0].type": {"input": [{"type": "item_reference", "id": "x"}]},
+    "input[1].arguments": {
+        "input": [
+            {"role": "user", "content": "a"},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"},
+        ]
+    },
     "input[0].content[0]": {
         "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
     },
@@ -190,3 +197,96 @@ def test_request_id_names_the_response(server: Server) -> None:
     assert got.id == "resp_job-42"
     with pytest.raises(openai.NotFoundError):
         respond(server, input="a", model="no-such-model")
+
+
+# a function whose arguments the grammar bounds (an integer's digits are not: a random model writes them on)
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add one or two.",
+    "parameters": {
+        "type": "object",
+        "properties": {"two": {"type": "boolean"}},
+        "required": ["two"],
+    },
+}
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def test_a_forced_tool_call_is_a_function_call_item(server: Server) -> None:
+    # one call (the tiny model would write calls until max_output_tokens cut one)
+    one = {"tools": [ADD], "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 120}
+    got = respond(server, input="add 2 and 3", **one)
+    calls = [item for item in got.output if item.type == "function_call"]
+    assert calls and got.status == "completed"
+    assert all(c.name == "add" and c.call_id.startswith("call_") and c.id.startswith("fc_") for c in calls)
+    assert all(isinstance(json.loads(c.arguments)["two"], bool) for c in calls)
+    # the same call the chat route makes for the same conversation and tools
+    want = server.client().chat.completions.create(
+        model=server.name,
+        messages=[{"role": "user", "content": "add 2 and 3"}],
+        tools=[_chat_tool(ADD)],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    assert [(c.name, c.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls or []
+    ]
+    # a named function: exactly one call of it
+    named = respond(server, input="add", tools=[ADD], tool_choice={"type": "function", "name": "add"},
+                    max_output_tokens=120)  # fmt: skip
+    assert [item.type for item in named.output] == ["function_call"] and named.output[0].name == "add"
+
+
+def test_a_streamed_call_comes_as_its_argument_deltas(server: Server) -> None:
+    kwargs = {"input": "add 2 and 3", "tools": [ADD], "tool_choice": "required", "max_output_tokens": 120,
+              "parallel_tool_calls": False}  # fmt: skip
+    whole = respond(server, **kwargs)
+    events = list(respond(server, stream=True, **kwargs))
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    done = [
+        e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"
+    ]
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(added) == len(done) == len(calls) > 0
+    for event, item in zip(added, done):
+        pieces = [
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.item_id == item.id
+        ]
+        assert event.item.id == item.id and "".join(pieces) == item.arguments
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    assert events[-1].type == "response.completed"
+    assert [(o.type, getattr(o, "arguments", None)) for o in events[-1].response.output] == [
+        (o.type, getattr(o, "arguments", None)) for o in whole.output
+    ]
+
+
+def test_a_call_and_its_output_go_back_into_the_conversation(server: Server) -> None:
+    call_args = '{"two": true}'
+    items = [
+        {"role": "user", "content": "add 2 and 3"},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": call_args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+    ]
+    got = respond(server, input=items, tools=[ADD], max_output_tokens=10)
+    messages = [
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": call_args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]  # fmt: skip
+    want = server.client().chat.completions.create(
+        model=server.name,
+        messages=messages,  # type: ignore[arg-type]
+        tools=[_chat_tool(ADD)],  # type: ignore[list-item]
+        max_tokens=10,
+        temperature=0,
+    )
+    assert got.output_text == (want.choices[0].message.content or "")

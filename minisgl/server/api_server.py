@@ -47,9 +47,10 @@ from minisgl.server.protocol import (
 from minisgl.server.responses import (
     ResponsesRequest,
     ResponseStream,
-    message_item,
-    new_id,
-    reasoning_item,
+    chat_tool_choice,
+    chat_tools,
+    output_items,
+    responses_param,
     status_of,
 )
 from minisgl.server.responses import usage as response_usage
@@ -547,12 +548,14 @@ class ResponsesFormat(_Format):
         req: Any,
         params: SamplingParams,
         reasoning: ReasoningFormat | None,
+        tools: ToolPlan,
         request_id: str | None,
     ) -> None:
         super().__init__(model, 1, include_usage=False, request_id=request_id)
         self.id = f"resp_{request_id if request_id is not None else uuid.uuid4().hex}"  # OpenAI's spelling
-        self.req, self.params, self.reasoning = req, params, reasoning
+        self.req, self.params, self.reasoning, self.tools = req, params, reasoning, tools
         self._parser: ReasoningParser | None = None
+        self._calls = None if tools.format is None else ToolCallParser(tools.format, tools.max_calls)
         self._stream: ResponseStream | None = None
 
     def head(self) -> dict[str, Any]:
@@ -574,7 +577,7 @@ class ResponsesFormat(_Format):
             "temperature": self.params.temperature,
             "top_p": self.params.top_p,
             "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tools": req.tools or [],
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "truncation": "disabled",
             "store": False,
@@ -597,7 +600,17 @@ class ResponsesFormat(_Format):
         if self._stream is None:
             self._stream = ResponseStream(self.head())
             out += self._stream.start()
-        out += self._stream.feed(*self._split(reply))
+        reasoning, text = self._split(reply)
+        if self._calls is None:
+            out += self._stream.feed(reasoning, text)
+        else:
+            out += self._stream.feed(reasoning, "")
+            pieces = self._calls.feed(text) + (self._calls.finish() if reply.finished else [])
+            for piece in pieces:
+                if isinstance(piece, str):
+                    out += self._stream.feed("", piece)
+                else:
+                    out += self._stream.call(piece.index, piece.id, piece.name, piece.arguments)
         if reply.finished and reply.finish_reason != "error":
             status, incomplete = status_of(reply.finish_reason)
             counts = reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens, reply.reasoning_tokens
@@ -610,9 +623,8 @@ class ResponsesFormat(_Format):
         if self.reasoning is not None:
             reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
         status, incomplete = status_of(c.finish_reason)
-        item_status = "completed" if status == "completed" else "incomplete"
-        output = [reasoning_item(new_id("rs"), reasoning, item_status)] if reasoning else []
-        output.append(message_item(new_id("msg"), text, item_status))
+        message, _ = answer_message(text, self.tools)
+        output = output_items(reasoning, message, status)
         counts = c.prompt_tokens, c.cached_tokens, c.completion_tokens, c.reasoning_tokens
         return self.head() | {
             "status": status,
@@ -1011,17 +1023,24 @@ def create_app(
         req = parse_body(ResponsesRequest, body, info.max_seq_len)
         req.check_fields()
         model = model_of(req.model)
-        params = req.sampling_params()
+        try:
+            tools = plan_tools(
+                chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls, info.tools
+            )
+            params = tools.constrain(req.sampling_params())
+        except APIError as e:
+            raise responses_param(e) from e
         within_context(req.max_output_tokens, "max_output_tokens")
         reasoning = info.reasoning
         msg = TokenizeMsg(
             [params],
-            messages=req.messages(),
+            messages=tools.messages(req.messages()),
+            tools=tools.template_tools,
             reasoning=None if reasoning is None else reasoning.name,
             priority=queue_priority(req.priority, info.priority_scheduling),
             cache_salt=req.cache_salt,
         )
-        fmt = ResponsesFormat(model, req, params, reasoning, req.checked_request_id())
+        fmt = ResponsesFormat(model, req, params, reasoning, tools, req.checked_request_id())
         return [msg], fmt, bool(req.stream)
 
     @app.post("/v1/completions")

@@ -3,14 +3,17 @@ stream events as the openai client reads them (`client.responses.create`, `respo
 
 What it does: a text input or a list of message items (with `instructions` as the system message), the sampling
 fields as on the chat route (`max_output_tokens` for `max_tokens`), `text.format` as `response_format`, a reasoning
-parser's reasoning as a `reasoning` output item, and streams of `response.*` events. What it does not do is refused
-naming the field: stored responses (`store: true`, `previous_response_id`, `background`), tools, `include`,
-`reasoning` settings, `truncation: auto`, `top_logprobs`, and input items other than messages and reasoning.
+parser's reasoning as a `reasoning` output item, function tools as the chat route takes them (calls as
+`function_call` items; earlier calls and their outputs taken back as input items), and streams of `response.*`
+events. What it does not do is refused naming the field: stored responses (`store: true`, `previous_response_id`,
+`background`), tools other than functions, `include`, `reasoning` settings, `truncation: auto`, `top_logprobs`,
+and other input items.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -27,6 +30,7 @@ from minisgl.server.protocol import (
     checked_params,
     checked_request_id,
 )
+from minisgl.server.tools import parsed_arguments
 
 # the sampling fields under their Responses names
 _NAMES = {"max_tokens": "max_output_tokens"}
@@ -35,6 +39,8 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 _PART_TYPES = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
 _MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
 _REASONING_KEYS = {"type", "id", "summary", "content", "status", "encrypted_content"}
+_CALL_KEYS = {"type", "id", "call_id", "name", "arguments", "status"}
+_OUTPUT_KEYS = {"type", "id", "call_id", "output", "status"}
 
 
 class _ResponsesBase(OpenAILabels):
@@ -42,12 +48,14 @@ class _ResponsesBase(OpenAILabels):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     stream: bool | None = None
-    parallel_tool_calls: bool | None = None  # there are no tools: either value holds
+    # function tools ({"type": "function", "name", "description", "parameters", "strict"}), as the chat route
+    # takes them (server/tools.py, chat_tools)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # what this server does not do: refused unless absent or of the value that means "not used"
     previous_response_id: str | None = None
     background: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
@@ -65,7 +73,6 @@ class _ResponsesBase(OpenAILabels):
             ("previous_response_id", self.previous_response_id, "no response is stored to continue; send the "
              "whole conversation in input"),
             ("background", self.background, "background responses are not supported"),
-            ("tools", self.tools, "tools are not supported on /v1/responses; use /v1/chat/completions"),
             ("include", self.include, "include is not supported"),
             ("reasoning", self.reasoning, "reasoning settings are not supported; a reasoning parser "
              "(--reasoning-parser) answers a thinking model's reasoning as an output item"),
@@ -74,10 +81,6 @@ class _ResponsesBase(OpenAILabels):
         for name, value, why in refused:
             if value:
                 raise APIError(why, name, "unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(
-                "tool_choice needs tools, which are not supported", "tool_choice", "unsupported_parameter"
-            )
         if self.truncation not in (None, "disabled"):
             raise APIError(
                 "truncation: auto is not supported; leave it out (disabled: a prompt over the context is refused)",
@@ -102,27 +105,34 @@ class _ResponsesBase(OpenAILabels):
         reasoning: str | None = None
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind == "function_call":
+                _only_keys(item, _CALL_KEYS, i)
+                call = _call(item, i)
+                if out and out[-1]["role"] == "assistant" and reasoning is None:
+                    out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+                else:
+                    out.append(self._with_reasoning({"role": "assistant", "content": "", "tool_calls": [call]},
+                                                    reasoning, i))  # fmt: skip
+                    reasoning = None
+                continue
+            if kind == "function_call_output":
+                _only_keys(item, _OUTPUT_KEYS, i)
+                out.append(_call_output(item, i))
+                continue
             if kind == "reasoning":
                 _only_keys(item, _REASONING_KEYS, i)
                 reasoning = _reasoning_text(item, i)
                 continue
             if kind != "message":
                 raise APIError(
-                    f"input[{i}] is of type {_short(kind)}; only message and reasoning items are supported",
+                    f"input[{i}] is of type {_short(kind)}; only message, reasoning, function_call and "
+                    "function_call_output items are supported",
                     f"input[{i}].type",
                     "unsupported_parameter",
                 )
             _only_keys(item, _MESSAGE_KEYS, i)
-            message = _message(item, i)
-            if reasoning is not None:
-                if message["role"] != "assistant":
-                    raise APIError(
-                        f"input[{i - 1}] is a reasoning item not followed by the assistant message it led to",
-                        f"input[{i - 1}]",
-                        "invalid_value",
-                    )
-                message["reasoning_content"], reasoning = reasoning, None
-            out.append(message)
+            out.append(self._with_reasoning(_message(item, i), reasoning, i))
+            reasoning = None
         if reasoning is not None:
             raise APIError(
                 "the last input item is reasoning without the assistant message it led to",
@@ -130,6 +140,19 @@ class _ResponsesBase(OpenAILabels):
                 "invalid_value",
             )
         return out
+
+    @staticmethod
+    def _with_reasoning(message: dict[str, Any], reasoning: str | None, i: int) -> dict[str, Any]:
+        """The message of input[i], with the reasoning item before it (an assistant's only)."""
+        if reasoning is None:
+            return message
+        if message["role"] != "assistant":
+            raise APIError(
+                f"input[{i - 1}] is a reasoning item not followed by the assistant message it led to",
+                f"input[{i - 1}]",
+                "invalid_value",
+            )
+        return {**message, "reasoning_content": reasoning}
 
     def sampling_params(self) -> SamplingParams:
         values = _wire_values(self, _NAMES)
@@ -194,6 +217,56 @@ def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
     return {"role": _ROLES[role], "content": "".join(texts)}
 
 
+def _call(item: dict[str, Any], i: int) -> dict[str, Any]:
+    """An earlier function_call item as a chat message's tool call (its arguments parsed, as templates take them)."""
+    for key in ("call_id", "name"):
+        if not isinstance(item.get(key), str):
+            raise APIError(f"input[{i}].{key} must be a string", f"input[{i}].{key}", "invalid_value")
+    arguments = parsed_arguments(item.get("arguments"), f"input[{i}].arguments")
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": arguments},
+    }
+
+
+def _call_output(item: dict[str, Any], i: int) -> dict[str, Any]:
+    """A function_call_output item as the chat's tool message."""
+    for key in ("call_id", "output"):
+        if not isinstance(item.get(key), str):
+            raise APIError(f"input[{i}].{key} must be a string", f"input[{i}].{key}", "invalid_value")
+    return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """The Responses API's function tools in the chat route's shape ({"type": "function", "function": {...}})."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise APIError(
+                f"tools[{i}] is of type {_short(kind)}; only function tools are supported",
+                f"tools[{i}].type",
+                "unsupported_parameter",
+            )
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out or None
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """tool_choice in the chat route's shape: a function is {"type": "function", "name": ...} here."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def responses_param(e: APIError) -> APIError:
+    """An error of the chat route's tool checks, naming the field as the Responses body spells it."""
+    if e.param is not None:
+        e.param = re.sub(r"^(tools\[\d+\])\.function\b", r"\1", e.param)
+    return e
+
+
 def _reasoning_text(item: dict[str, Any], i: int) -> str:
     parts = item.get("content") or []
     if not isinstance(parts, list) or not all(
@@ -247,6 +320,30 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(reasoning: str, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
+    """A whole answer's output items: its reasoning, its text, its calls (answer_message's chat message)."""
+    item_status = _item_status(status)
+    out = [reasoning_item(new_id("rs"), reasoning, item_status)] if reasoning else []
+    calls = message.get("tool_calls") or []
+    if message["content"] or not calls:
+        out.append(message_item(new_id("msg"), message["content"] or "", item_status))
+    for c in calls:
+        fn = c["function"]
+        out.append(function_call_item(new_id("fc"), c["id"], fn["name"], fn["arguments"], item_status))
+    return out
+
+
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -281,6 +378,7 @@ class ResponseStream:
         self.items: list[dict[str, Any]] = []  # the output items so far, open or done
         self._reasoning: dict[str, Any] | None = None  # the open reasoning item and its text
         self._message: dict[str, Any] | None = None
+        self._calls: dict[int, dict[str, Any]] = {}  # the function_call items by the parser's call index
         self._texts: dict[str, str] = {}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -321,16 +419,13 @@ class ResponseStream:
     def finish(
         self, status: str, incomplete: dict[str, Any] | None, usage: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        out = self._close_reasoning(status)
-        item = self._message
-        if item is not None:
-            text, index = self._texts[item["id"]], self._index(item)
-            part = output_text(text)
-            out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=text, logprobs=[]))  # fmt: skip
-            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=part))  # fmt: skip
-            done = message_item(item["id"], text, _item_status(status))
+        out = self._close_reasoning(status) + self._close_message(status)
+        for item in self._calls.values():
+            index = self._index(item)
+            args = self._texts.get(item["id"], "")
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                   output_index=index, arguments=args))  # fmt: skip
+            done = function_call_item(item["id"], item["call_id"], item["name"], args, _item_status(status))
             self.items[index] = done
             out.append(self._event("response.output_item.done", output_index=index, item=done))
         response = dict(
@@ -341,6 +436,38 @@ class ResponseStream:
         )
         out.append(self._event(kind, response=response))
         return out
+
+    def call(self, index: int, call_id: str | None, name: str | None, arguments: str) -> list[dict[str, Any]]:
+        """A piece of tool call `index` (tool_parser.CallDelta): its first opens a function_call item (the text
+        before it is done), the others add argument text."""
+        out = []
+        if call_id is not None:
+            out += self._close_reasoning() + self._close_message()
+            item = function_call_item(new_id("fc"), call_id, name or "", "", "in_progress")
+            self._calls[index] = item
+            out.append(self._added(item))
+        item = self._calls[index]
+        if arguments:
+            self._texts[item["id"]] = self._texts.get(item["id"], "") + arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self._index(item), delta=arguments))  # fmt: skip
+        return out
+
+    def _close_message(self, status: str = "completed") -> list[dict[str, Any]]:
+        item = self._message
+        if item is None:
+            return []
+        self._message = None
+        text, index = self._texts[item["id"]], self._index(item)
+        done = message_item(item["id"], text, _item_status(status))
+        self.items[index] = done
+        return [
+            self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=output_text(text)),
+            self._event("response.output_item.done", output_index=index, item=done),
+        ]  # fmt: skip
 
     def _added(self, item: dict[str, Any]) -> dict[str, Any]:
         self.items.append(item)

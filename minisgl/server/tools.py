@@ -285,22 +285,23 @@ def _checked_message(m: dict[str, Any], i: int, tool_calls: Any, tool_call_id: A
                 f"{where}[{k}]",
                 "invalid_value",
             )
-        args = fn.get("arguments", "{}")
-        try:
-            parsed = json.loads(args) if isinstance(args, str) else None
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise APIError(
-                f"{where}[{k}].function.arguments must be a JSON object in a string",
-                f"{where}[{k}].function.arguments",
-                "invalid_value",
-            )
+        parsed = parsed_arguments(fn.get("arguments", "{}"), f"{where}[{k}].function.arguments")
         entry = {"type": "function", "function": {"name": fn["name"], "arguments": parsed}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
         calls.append(entry)
     return {**m, "tool_calls": calls}
+
+
+def parsed_arguments(args: Any, param: str) -> dict[str, Any]:
+    """An earlier call's arguments (a JSON object in a string) as chat templates take them: parsed."""
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise APIError(f"{param} must be a JSON object in a string", param, "invalid_value")
+    return parsed
 
 
 def _calls_as_text(m: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
