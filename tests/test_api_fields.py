@@ -159,6 +159,15 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
     ),
     "request-id-too-long": ("/v1/completions", {"prompt": "a", "request_id": "x" * 257}, "request_id"),
     "request-id-a-number": ("/v1/completions", {"prompt": "a", "request_id": 5}, "request_id"),
+    "rid-one-for-a-batch": ("/generate", {"text": ["a", "b"], "rid": "x"}, "rid"),
+    "rid-too-few": ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    "rid-with-a-space": ("/generate", {"text": "a", "rid": "x y"}, "rid"),
+    "rid-a-number": ("/generate", {"text": "a", "rid": 5}, "rid"),
+    "texts-in-logprobs-a-string": (
+        "/generate",
+        {"text": "a", "return_text_in_logprobs": "no"},
+        "return_text_in_logprobs",
+    ),
     "truncate-on-generate": (
         "/generate",
         {"text": "a", "truncate_prompt_tokens": 1},
@@ -779,3 +788,26 @@ def test_flush_cache_empties_the_prefix_cache_when_nothing_runs(server: Server, 
     status, got = server.request("POST", "/flush_cache")
     assert status == 400 and got["error"]["code"] == "server_busy", got
     stream.close()
+
+
+def test_generate_takes_sglangs_rid_and_return_text_in_logprobs(server: Server) -> None:
+    short = {"max_new_tokens": 2}
+    status, one = post(server, "/generate", {"text": "a", "rid": "job-1", "sampling_params": short})
+    assert status == 200 and one["meta_info"]["id"] == "job-1", one
+    assert "request job-1:" in server.log
+    status, batch = post(
+        server, "/generate", {"text": ["a", "b"], "rid": ["x", "y"], "sampling_params": short}
+    )
+    assert status == 200 and [b["meta_info"]["id"] for b in batch] == ["x", "y"], batch
+    status, choices = post(
+        server, "/generate", {"text": "a", "rid": "z", "sampling_params": {**short, "n": 2}}
+    )
+    assert status == 200 and [c["meta_info"]["id"] for c in choices] == ["z/0", "z/1"], choices
+    body = {"text": "a", "return_logprob": True, "top_logprobs_num": 1, "sampling_params": short}
+    _, texts = post(server, "/generate", body)
+    _, bare = post(server, "/generate", {**body, "return_text_in_logprobs": False})
+    for key in ("output_token_logprobs",):
+        assert all(isinstance(e[2], str) for e in texts["meta_info"][key])
+        assert [e[:2] for e in bare["meta_info"][key]] == [e[:2] for e in texts["meta_info"][key]]
+        assert all(e[2] is None for e in bare["meta_info"][key])
+    assert all(x[2] is None for top in bare["meta_info"]["output_top_logprobs"] for x in top)

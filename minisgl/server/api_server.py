@@ -652,15 +652,36 @@ class GenerateFormat(_Format):
     prompt_param = "text"
     sampling_prefix = "sampling_params."
 
-    def __init__(self, model: str, n: int, batch: bool, prompt_param: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        n: int,
+        batch: bool,
+        prompt_param: str,
+        rids: list[str] | None = None,
+        texts_in_logprobs: bool = True,
+    ) -> None:
+        """`rids`: SGLang's rid, one a prompt (None: the uids); `texts_in_logprobs`: return_text_in_logprobs."""
         super().__init__(model, n, include_usage=False)
         self.batch, self.prompt_param = batch, prompt_param
+        self.rids, self.texts_in_logprobs = rids, texts_in_logprobs
         self.uids: list[int] = []
         self.arrival = 0.0
 
     @property
     def request_id(self) -> str | None:
-        return None  # each sub-request is known by its uid, the meta_info id
+        # in the log as in meta_info: one prompt's rid (with each choice's index when n > 1); a batch's by uid
+        return self.rids[0] if self.rids is not None and len(self.rids) == 1 else None
+
+    def _id(self, i: int) -> str:
+        """meta_info.id of sub-request i: its prompt's rid (with the choice's index when n > 1), or its uid."""
+        if self.rids is None:
+            return str(self.uids[i])
+        rid = self.rids[i // self.n]
+        return rid if self.n == 1 else f"{rid}/{i % self.n}"
+
+    def _entry(self, t: TokenLogprob) -> list[Any]:
+        return [t.logprob, t.token_id, t.token if self.texts_in_logprobs else None]
 
     def bind(self, group: RequestGroup) -> None:
         self.uids, self.arrival = group.uids, group.arrival
@@ -684,7 +705,7 @@ class GenerateFormat(_Format):
         elif c.finish_reason is not None:
             reason = {"type": c.finish_reason, "message": c.error} if c.error else {"type": c.finish_reason}
         meta: dict[str, Any] = {
-            "id": str(self.uids[i]),
+            "id": self._id(i),
             "finish_reason": reason,
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.completion_tokens,
@@ -695,16 +716,13 @@ class GenerateFormat(_Format):
             # SGLang's: the stop token id (an EOS among them) or stop string that ended the output
             meta["matched_stop"] = c.matched_stop
         if c.logprobs:
-            meta["output_token_logprobs"] = [[t.logprob, t.token_id, t.token] for t in c.logprobs]
-            meta["output_top_logprobs"] = [
-                [[x.logprob, x.token_id, x.token] for x in t.top] for t in c.logprobs
-            ]
+            meta["output_token_logprobs"] = [self._entry(t) for t in c.logprobs]
+            meta["output_top_logprobs"] = [[self._entry(x) for x in t.top] for t in c.logprobs]
         if c.prompt_logprobs is not None:
             # SGLang's names; the first prompt token's log-probability is None
-            meta["input_token_logprobs"] = [[t.logprob, t.token_id, t.token] for t in c.prompt_logprobs]
+            meta["input_token_logprobs"] = [self._entry(t) for t in c.prompt_logprobs]
             meta["input_top_logprobs"] = [
-                None if t.logprob is None else [[x.logprob, x.token_id, x.token] for x in t.top]
-                for t in c.prompt_logprobs
+                None if t.logprob is None else [self._entry(x) for x in t.top] for t in c.prompt_logprobs
             ]
         out = {"text": c.text, "meta_info": meta}
         if self.batch:
@@ -1093,7 +1111,12 @@ def create_app(
         priority = queue_priority(req.priority, info.priority_scheduling)
         msgs = _prompt_msgs(prompts, choice_params(params, n), priority=priority)
         fmt = GenerateFormat(
-            info.model_name, n, len(prompts) * n > 1, "text" if req.text is not None else "input_ids"
+            info.model_name,
+            n,
+            len(prompts) * n > 1,
+            "text" if req.text is not None else "input_ids",
+            req.request_ids(len(prompts)),
+            req.return_text_in_logprobs is not False,
         )
         return msgs, fmt, bool(req.stream)
 

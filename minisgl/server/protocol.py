@@ -749,6 +749,10 @@ class GenerateRequest(_Strict):
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     priority: int | None = None  # as for the OpenAI routes (queue_priority)
+    # SGLang's: the call's id, or one a prompt of a batch, as meta_info.id (request_ids)
+    rid: str | list[str] | None = None
+    # SGLang's: the logprobs' token texts (the third entry of each), or None there
+    return_text_in_logprobs: bool | None = None
 
     @field_validator("input_ids")
     @classmethod
@@ -773,6 +777,25 @@ class GenerateRequest(_Strict):
     @property
     def num_choices(self) -> int:
         return _num_choices(self.sampling_params.n if self.sampling_params else None, "sampling_params.n")
+
+    def request_ids(self, num_prompts: int) -> list[str] | None:
+        """rid checked: one id for one prompt, a list of one id a prompt for a batch (each as request_id)."""
+        rid = self.rid
+        if rid is None:
+            return None
+        rids = [rid] if isinstance(rid, str) else rid
+        if len(rids) != num_prompts or (isinstance(rid, str) and num_prompts != 1):
+            raise APIError(
+                f"rid has {len(rids)} ids for {num_prompts} prompts; send one id a prompt (a list for a batch)",
+                "rid",
+                "invalid_value",
+            )
+        for r in rids:
+            try:
+                checked_request_id(r)
+            except APIError as e:
+                raise APIError(str(e).replace("request_id", "rid", 1), "rid", "invalid_value") from e
+        return rids
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
