@@ -811,3 +811,24 @@ def test_generate_takes_sglangs_rid_and_return_text_in_logprobs(server: Server) 
         assert [e[:2] for e in bare["meta_info"][key]] == [e[:2] for e in texts["meta_info"][key]]
         assert all(e[2] is None for e in bare["meta_info"][key])
     assert all(x[2] is None for top in bare["meta_info"]["output_top_logprobs"] for x in top)
+
+
+def test_chat_echo_starts_the_answer_with_the_assistant_message_it_continues(
+    server: Server, name: str
+) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "Once upon"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+
+    def answer(echo: bool, stream: bool = False, msgs: list[dict[str, str]] = messages) -> str:
+        out = server.client().chat.completions.create(
+            model=name, messages=msgs, max_tokens=5, temperature=0, stream=stream,  # type: ignore[arg-type]
+            extra_body={**body, "echo": echo} if msgs is messages else {"echo": echo},
+        )  # fmt: skip
+        if not stream:
+            return out.choices[0].message.content or ""  # type: ignore[union-attr]
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)  # type: ignore[union-attr]
+
+    plain = answer(False)
+    assert answer(True) == "Once upon" + plain == answer(True, stream=True)
+    # the last message a user's: nothing to echo (vLLM's rule)
+    assert answer(True, msgs=CHAT) == answer(False, msgs=CHAT)

@@ -292,11 +292,14 @@ class ChatFormat(_Format):
         tools: ToolPlan | None = None,
         reasoning: ReasoningFormat | None = None,
         stream_reasoning: bool = True,
+        echo: str = "",
         **options: Any,
     ) -> None:
+        """`echo`: the text each choice's content starts with (vLLM's echo: the assistant message continued)."""
         super().__init__(model, n, include_usage, **options)
         self.tools = tools or ToolPlan()
         self.reasoning, self.stream_reasoning = reasoning, stream_reasoning
+        self.echo = echo
         self._parsers: dict[int, ToolCallParser] = {}
         self._reasoners: dict[int, ReasoningParser] = {}
 
@@ -309,6 +312,8 @@ class ChatFormat(_Format):
             if reply.prompt_logprobs is not None:
                 first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
             out.append(first)
+            if self.echo:
+                out.append(self._choice(i, reply, {"content": self.echo}))
         with_ids = self.return_token_ids and bool(reply.token_ids)
         reasoning, text = self._split(i, reply)
         # under both names: SGLang's and DeepSeek's reasoning_content, and vLLM's newer reasoning
@@ -381,6 +386,8 @@ class ChatFormat(_Format):
             if self.reasoning is not None:
                 reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
             message, has_calls = answer_message(text, self.tools)
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
             if self.reasoning is not None:
                 message["reasoning_content"] = message["reasoning"] = reasoning or None
             entry = {
@@ -1028,6 +1035,7 @@ def create_app(
             tools,
             reasoning,
             stream_reasoning,
+            echo=req.echoed(texts),
             logprobs_asked=params.logprobs is not None,
             **format_options(req),
         )

@@ -506,6 +506,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     # or whole once it ends
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
+    # vLLM's: the answer's content starts with the last message's, where that message is the assistant's (the
+    # one continue_final_message continues)
+    echo: bool | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -552,6 +555,13 @@ class ChatCompletionRequest(_OpenAIRequest):
                 message["reasoning_content"] = reasoning
             out.append(message)
         return out
+
+    def echoed(self, texts: list[dict[str, Any]]) -> str:
+        """What echo puts before each choice's content: the last message's text where it is the assistant's
+        (`texts`: chat()'s), else nothing, as vLLM has it."""
+        if self.echo and texts and texts[-1]["role"] == "assistant":
+            return texts[-1]["content"] or ""
+        return ""
 
     def reasoning_plan(self, fmt: ReasoningFormat | None) -> tuple[ReasoningFormat | None, bool]:
         """The reasoning format the answer is split by (None: not split) and whether the reasoning streams
