@@ -179,6 +179,10 @@ def test_health_and_models_describe_the_served_model(server: Server, model_dir: 
     assert status == 200 and got["model_path"] == model_dir and got["is_generation"] is True
     assert got["max_model_len"] == 512 and got["served_model_names"] == [models[0].id]
     assert server.request("GET", "/health_generate") == (200, {"status": "ok"})
+    status, got = server.request("GET", "/get_server_info")
+    assert status == 200 and got["model"] == model_dir and got["max_running_req"] == 80
+    assert got["version"] == minisgl.__version__ and got["max_total_num_tokens"] > 0
+    assert "api_key" not in got and got["internal_states"][0]["last_gen_throughput"] >= 0
 
 
 def test_chat_completion_equals_offline_greedy_text(server: Server, offline: LLM, model_name: str) -> None:

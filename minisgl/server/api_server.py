@@ -899,6 +899,21 @@ def create_app(
         finally:
             group.close()
 
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        """SGLang's: the server's options (the API key left out), its version, the KV pool's size in tokens
+        and, as SGLang's benchmarks read it, the recent generation throughput."""
+        client = client_of(request)
+        stats = client.metrics.scheduler
+        throughput = client.metrics.gen_throughput(time.perf_counter())
+        return {
+            **info.server_args,
+            "version": minisgl.__version__,
+            "max_total_num_tokens": stats.kv_pages_total * stats.page_size,
+            "max_model_len": info.max_seq_len,
+            "internal_states": [{"last_gen_throughput": throughput}],
+        }
+
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         """SGLang's: what SGLang's clients read at connection (its frontend language's RuntimeEndpoint)."""

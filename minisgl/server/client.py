@@ -40,6 +40,7 @@ class ServeInfo:
     tools: ToolSupport = field(default_factory=ToolSupport)  # how the model takes tools
     reasoning: ReasoningFormat | None = None  # how a chat's reasoning is split from its answer (None: not)
     priority_scheduling: bool = False  # whether requests may carry a priority (SchedulerConfig)
+    server_args: dict[str, Any] = field(default_factory=dict)  # the command line's options, less the API key
 
     @property
     def served_names(self) -> list[str]:

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -368,6 +368,7 @@ def serve(args: ServerArgs) -> int:
             tools=tools,
             reasoning=None if args.reasoning_parser is None else reasoning_format(args.reasoning_parser),
             priority_scheduling=args.priority_scheduling,
+            server_args={k: v for k, v in asdict(args).items() if k != "api_key"},
         )
         if args.shell:
             from minisgl.server.shell import run_shell
