@@ -11,7 +11,7 @@ import openai
 import pytest
 from test_reasoning import FORCED as THINK
 from test_reasoning import reasoning_server
-from test_server import Server
+from test_server import Server, _wait_metrics
 
 # the reasoning tests' server; THINK is what a regex constraint makes its model write: a reasoning block, then
 # the answer
@@ -290,3 +290,16 @@ def test_a_call_and_its_output_go_back_into_the_conversation(server: Server) -> 
         temperature=0,
     )
     assert got.output_text == (want.choices[0].message.content or "")
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_nothing_held(server: Server) -> None:
+    events = respond(
+        server, input="hello", max_output_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    for event in events:
+        if event.type == "response.output_text.delta":
+            break
+    events.close()  # the connection goes: the request is aborted, its row and pages freed
+    m = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
+    assert m["sglang:num_running_reqs"] == 0 and m["minisgl_kv_pages_held"] == 0
+    assert m['minisgl_requests_finished_total{finish_reason="abort"}'] >= 1
