@@ -168,6 +168,13 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"text": "a", "return_text_in_logprobs": "no"},
         "return_text_in_logprobs",
     ),
+    "documents-a-string": ("/v1/chat/completions", {"messages": CHAT, "documents": "x"}, "documents"),
+    "documents-field-not-a-word": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "documents": [{"title": "a", "the text": "b"}]},
+        "documents[0]",
+    ),
+    "documents-empty-one": ("/v1/chat/completions", {"messages": CHAT, "documents": [{}]}, "documents[0]"),
     "truncate-on-generate": (
         "/generate",
         {"text": "a", "truncate_prompt_tokens": 1},
@@ -832,3 +839,25 @@ def test_chat_echo_starts_the_answer_with_the_assistant_message_it_continues(
     assert answer(True) == "Once upon" + plain == answer(True, stream=True)
     # the last message a user's: nothing to echo (vLLM's rule)
     assert answer(True, msgs=CHAT) == answer(False, msgs=CHAT)
+
+
+def test_documents_are_written_by_the_template_as_client_text(
+    server: Server, name: str, tokenizer: Any
+) -> None:
+    docs = [{"title": "Paris", "text": "the capital of France"}, {"title": "Rome", "text": "Italy's"}]
+
+    def prompt_ids(**extra: Any) -> list[int]:
+        out = server.client().chat.completions.create(
+            model=name, max_tokens=1, extra_body={"return_token_ids": True, **extra.pop("body", {})}, **extra
+        )
+        return out.prompt_token_ids  # type: ignore[attr-defined]
+
+    # the tiny template writes the documents as a first system message: the same prompt as that message sent
+    as_system = "Paris: the capital of France\nRome: Italy's\n"
+    with_docs = prompt_ids(messages=CHAT, body={"documents": docs})
+    assert with_docs == prompt_ids(messages=[{"role": "system", "content": as_system}, *CHAT])
+    assert with_docs != prompt_ids(messages=CHAT)
+    # a control token a client wrote into a document stays text: only the template's own are control tokens
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    spelled = prompt_ids(messages=CHAT, body={"documents": [{"title": "x", "text": "<|im_end|>"}]})
+    assert spelled.count(end) == 2  # the system block's and the user message's

@@ -98,3 +98,23 @@ def test_the_offline_chat_takes_them_too(tiny_model: Any, make_llm: Any, tokeniz
         llm.chat([CHAT], chat_template_kwargs={"thinking_budget": 5})
     out = llm.chat([CHAT], chat_template_kwargs={"enable_thinking": False})
     assert out[0]["prompt_tokens"] == len(off)
+
+
+def test_documents_are_taken_only_by_a_template_that_writes_them(tokenizer: Any) -> None:
+    docs = [{"title": "Paris", "text": "capital"}]
+    # the tiny template writes them (a first system message); transformers renders the same
+    text = "".join(p for p, _ in manager(tokenizer).render(CHAT, documents=docs))
+    assert text == tokenizer.apply_chat_template(
+        CHAT, documents=docs, add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\nParis: capital\n<|im_end|>\n")
+    # documents is the server's to set, not a chat_template_kwargs name
+    refused(tokenizer, {"documents": docs})
+    plain = copy.copy(tokenizer)
+    plain.chat_template = tokenizer.chat_template.split("{% endif %}", 1)[1]  # the documents block cut off
+    with pytest.raises(RequestError) as e:
+        manager(plain).render(CHAT, documents=docs)
+    assert e.value.param == "documents" and "put them into a message" in str(e.value)
+    assert "".join(p for p, _ in manager(plain).render(CHAT)) == "".join(
+        p for p, _ in manager(tokenizer).render(CHAT)
+    )

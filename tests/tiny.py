@@ -43,6 +43,9 @@ def build_tokenizer(folder: str, think_tags: bool = False) -> Any:
         fast.add_tokens(["<think>", "</think>"])
     # Qwen3's way to switch thinking off: a variable a request may set (chat_template_kwargs)
     fast.chat_template = (
+        # a RAG template's documents (vLLM's field), as a system message first
+        "{% if documents %}<|im_start|>system\n{% for d in documents %}{{ d['title'] }}: {{ d['text'] }}\n"
+        "{% endfor %}<|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n"
         "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"

@@ -28,6 +28,7 @@ class TokenizeMsg:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a template that writes them (RAG templates)
     add_special_tokens: bool = True  # for `text`: the tokenizer's BOS and the like, as `encode` adds them
     return_prompt: bool = False  # the first reply of each choice carries the prompt's token ids and text
     # a chat whose reasoning is split from its answer (the reasoning format's name): the first reply says

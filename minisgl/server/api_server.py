@@ -65,7 +65,7 @@ from minisgl.server.tools import (
 )
 from minisgl.tokenizer import template_kwargs
 from minisgl.tokenizer.reasoning import ReasoningFormat, ReasoningParser
-from minisgl.tokenizer.tokenize import TRUNCATE_CODE
+from minisgl.tokenizer.tokenize import DOCUMENTS_CODE, TRUNCATE_CODE
 from minisgl.tokenizer.tool_parser import ToolCallParser
 
 
@@ -762,7 +762,11 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
 
 # the field at fault for an error only the tokenizer worker finds (it knows the chat template), by its code: for
 # a generation's first reply and a /tokenize reply alike
-_WORKER_PARAMS = {template_kwargs.CODE: template_kwargs.PARAM, TRUNCATE_CODE: "truncate_prompt_tokens"}
+_WORKER_PARAMS = {
+    template_kwargs.CODE: template_kwargs.PARAM,
+    TRUNCATE_CODE: "truncate_prompt_tokens",
+    DOCUMENTS_CODE: "documents",
+}
 
 
 async def _close_on_disconnect(request: Request, group: RequestGroup) -> None:
@@ -1037,6 +1041,7 @@ def create_app(
             tools=tools.template_tools,
             return_prompt=bool(req.return_token_ids),
             chat_template_kwargs=req.chat_template_kwargs or None,
+            documents=req.checked_documents(),
             reasoning=None if reasoning is None else reasoning.name,
             priority=queue_priority(req.priority, info.priority_scheduling),
             truncate_prompt_tokens=req.kept_prompt_tokens(info.max_seq_len, params.max_tokens),

@@ -252,6 +252,8 @@ def _token_keys(bias: dict[str, float], param: str) -> dict[int, float]:
     return out
 
 
+# a document field's name: the chat template reads it as a key
+_WORD = re.compile(r"\w{1,64}")
 # the longest cache_salt taken: a secret of a few hundred bits, not a payload (it keys the prefix cache)
 MAX_CACHE_SALT = 1024
 # the longest request_id taken: an id, not a payload (it is written into every chunk of a stream)
@@ -509,6 +511,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     # vLLM's: the answer's content starts with the last message's, where that message is the assistant's (the
     # one continue_final_message continues)
     echo: bool | None = None
+    # vLLM's: documents for a RAG template (checked_documents), written by it as client text
+    documents: list[dict[str, str]] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -555,6 +559,19 @@ class ChatCompletionRequest(_OpenAIRequest):
                 message["reasoning_content"] = reasoning
             out.append(message)
         return out
+
+    def checked_documents(self) -> list[dict[str, str]] | None:
+        """documents, each an object of text fields whose names are words (the template reads them by name)."""
+        for j, doc in enumerate(self.documents or []):
+            bad = next((key for key in doc if not _WORD.fullmatch(key)), None)
+            if bad is not None or not doc:
+                raise APIError(
+                    f"documents[{j}] needs fields named by letters, digits and '_' (such as title and text); "
+                    f"got {_short(bad if bad is not None else doc)}",
+                    f"documents[{j}]",
+                    "invalid_value",
+                )
+        return self.documents or None
 
     def echoed(self, texts: list[dict[str, Any]]) -> str:
         """What echo puts before each choice's content: the last message's text where it is the assistant's

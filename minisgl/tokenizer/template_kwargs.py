@@ -26,6 +26,18 @@ _TEMPLATE_HELPERS = {"raise_exception", "strftime_now"}
 def template_variables(tokenizer: Any) -> frozenset[str]:
     """The names the tokenizer's chat template reads that a request may set (empty without a template)."""
     import jinja2
+
+    names = _undeclared(tokenizer)
+    reserved = _SET_BY_SERVER | _TEMPLATE_HELPERS | set(jinja2.Environment().globals)
+    reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    reserved |= set(getattr(tokenizer, "special_tokens_map", {}))
+    return frozenset(names - reserved)
+
+
+def _undeclared(tokenizer: Any) -> frozenset[str]:
+    """Every name the chat template reads from outside (empty without a template, or one whose tags only its
+    own environment knows)."""
+    import jinja2
     import jinja2.meta
     from jinja2.ext import Extension
 
@@ -46,10 +58,7 @@ def template_variables(tokenizer: Any) -> frozenset[str]:
             names |= jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError:  # a tag only its own environment knows: take nothing from requests
             return frozenset()
-    reserved = _SET_BY_SERVER | _TEMPLATE_HELPERS | set(env.globals)
-    reserved |= set(inspect.signature(tokenizer.apply_chat_template).parameters)
-    reserved |= set(getattr(tokenizer, "special_tokens_map", {}))
-    return frozenset(names - reserved)
+    return frozenset(names)
 
 
 def control_texts(tokenizer: Any) -> list[str]:
@@ -86,12 +95,20 @@ class TemplateKwargsCheck:
         self.tokenizer = tokenizer
         self._allowed: frozenset[str] | None = None
         self._controls: list[str] | None = None
+        self._reads_documents: bool | None = None
 
     @property
     def controls(self) -> list[str]:
         if self._controls is None:
             self._controls = control_texts(self.tokenizer)
         return self._controls
+
+    @property
+    def reads_documents(self) -> bool:
+        """Whether the template writes vLLM's `documents` (RAG templates such as Command R's and Granite's)."""
+        if self._reads_documents is None:
+            self._reads_documents = "documents" in _undeclared(self.tokenizer)
+        return self._reads_documents
 
     def __call__(self, kwargs: dict[str, Any]) -> None:
         if self._allowed is None:

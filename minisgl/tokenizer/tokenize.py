@@ -25,6 +25,8 @@ _CUT_SLACK = 16
 _PIECE_CHARS = 32 << 10
 # the error code of a text too long to tokenize whole for truncate_prompt_tokens (the API names that field by it)
 TRUNCATE_CODE = "prompt_too_long_to_truncate"
+# the error code of documents for a template that does not write them
+DOCUMENTS_CODE = "documents_not_in_template"
 
 
 class TokenizeManager:
@@ -66,6 +68,7 @@ class TokenizeManager:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         truncated: bool = False,
+        documents: list[dict[str, str]] | None = None,
     ) -> list[tuple[str, bool]]:
         """The conversation in the chat template as render_chat's pieces; a conversation the template
         refuses, one of more messages than the context has tokens (unless the prompt is `truncated` to its
@@ -82,6 +85,12 @@ class TokenizeManager:
         self._refuse_control_text(messages, tools)
         if template_kwargs:
             self.check_template_kwargs(template_kwargs)
+        if documents and not self.check_template_kwargs.reads_documents:
+            raise RequestError(
+                "this model's chat template does not write documents; put them into a message instead",
+                "documents",
+                DOCUMENTS_CODE,
+            )
         try:
             pieces = render_chat(
                 self.tokenizer,
@@ -90,6 +99,7 @@ class TokenizeManager:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
+                documents=documents,
             )
         except Exception as e:  # the template itself may refuse a conversation (e.g. roles out of order)
             raise RequestError(
@@ -197,6 +207,7 @@ class Tokenization:
                     msg.continue_final_message,
                     msg.chat_template_kwargs,
                     truncated=truncate is not None,
+                    documents=msg.documents,
                 )
                 self._proof = LengthProof(manager, "".join(p for p, _ in self._pieces), truncate)
                 return None

@@ -102,8 +102,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> list[tuple[str, bool]]:
-    """The conversation in the chat template as pieces of text, each marked whether it is a message's content.
+    """The conversation in the chat template as pieces of text, each marked whether it is a client's text (a
+    message's content, or a field of one of vLLM's `documents`, which RAG templates write).
 
     The template is rendered with a placeholder for each content, and the contents are put back in
     the pieces it leaves: so the template's own text and the users' text are told apart however the
@@ -115,6 +117,13 @@ def render_chat(
     nonce = uuid.uuid4().hex
     marked = [_marked(m, i, nonce) for i, m in enumerate(messages)]
     extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    texts: list[dict[str, Any]] = list(messages)
+    if documents:
+        # a document's fields are placeholders too, numbered after the messages
+        texts += documents
+        extra["documents"] = [
+            {key: f"<{nonce}:{len(messages) + j}:{key}>" for key in doc} for j, doc in enumerate(documents)
+        ]
     text = tokenizer.apply_chat_template(
         marked,
         add_generation_prompt=add_generation_prompt,
@@ -128,7 +137,7 @@ def render_chat(
     for k, p in enumerate(parts):
         if k % 2:
             i, name = p.split(":")
-            p = messages[int(i)][name]
+            p = texts[int(i)][name]
         out.append((p, bool(k % 2)))
     return out
 
