@@ -303,3 +303,28 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_held(server: Server) -
     m = _wait_metrics(server, lambda m: m["minisgl_requests_in_flight"] == 0)
     assert m["sglang:num_running_reqs"] == 0 and m["minisgl_kv_pages_held"] == 0
     assert m['minisgl_requests_finished_total{finish_reason="abort"}'] >= 1
+
+
+def test_an_empty_answer_is_an_empty_message_streamed_or_whole(server: Server) -> None:
+    status, got = server.request(
+        "POST", "/tokenize", json.dumps({"prompt": "<|im_end|>", "add_special_tokens": False}).encode()
+    )
+    assert status == 200 and len(got["tokens"]) == 1, got
+    eos = {"logit_bias": {str(got["tokens"][0]): 100}}  # the end of the answer as its first token
+    whole = respond(server, input="a", extra_body=eos)
+    assert whole.status == "completed" and [o.type for o in whole.output] == ["message"]
+    assert whole.output_text == "" and whole.usage.output_tokens == 1
+    events = list(respond(server, input="a", stream=True, extra_body=eos))
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [o.type for o in events[-1].response.output] == ["message"] and events[
+        -1
+    ].response.output_text == ""

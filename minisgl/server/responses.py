@@ -117,7 +117,9 @@ class _ResponsesBase(OpenAILabels):
                 continue
             if kind == "function_call_output":
                 _only_keys(item, _OUTPUT_KEYS, i)
-                out.append(_call_output(item, i))
+                out.append(
+                    self._with_reasoning(_call_output(item, i), reasoning, i)
+                )  # refused after reasoning
                 continue
             if kind == "reasoning":
                 _only_keys(item, _REASONING_KEYS, i)
@@ -405,12 +407,9 @@ class ResponseStream:
         if text:
             out += self._close_reasoning()
             if self._message is None:
-                self._message = message_item(new_id("msg"), None, "in_progress")
-                out.append(self._added(self._message))
-                out.append(self._event("response.content_part.added", item_id=self._message["id"],
-                                       output_index=self._index(self._message), content_index=0,
-                                       part=output_text("")))  # fmt: skip
+                out += self._open_message()
             item = self._message
+            assert item is not None
             self._texts[item["id"]] = self._texts.get(item["id"], "") + text
             out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index(item),
                                    content_index=0, delta=text, logprobs=[]))  # fmt: skip
@@ -419,7 +418,12 @@ class ResponseStream:
     def finish(
         self, status: str, incomplete: dict[str, Any] | None, usage: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        out = self._close_reasoning(status) + self._close_message(status)
+        out = self._close_reasoning(status)
+        if not self._calls and not any(item["type"] == "message" for item in self.items):
+            out += (
+                self._open_message()
+            )  # an answer of no text and no call is an empty message, as a whole one
+        out += self._close_message(status)
         for item in self._calls.values():
             index = self._index(item)
             args = self._texts.get(item["id"], "")
@@ -452,6 +456,14 @@ class ResponseStream:
             out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                    output_index=self._index(item), delta=arguments))  # fmt: skip
         return out
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = self._message = message_item(new_id("msg"), None, "in_progress")
+        self._texts[item["id"]] = ""
+        added = self._added(item)
+        part = self._event("response.content_part.added", item_id=item["id"], output_index=self._index(item),
+                           content_index=0, part=output_text(""))  # fmt: skip
+        return [added, part]
 
     def _close_message(self, status: str = "completed") -> list[dict[str, Any]]:
         item = self._message
