@@ -754,7 +754,7 @@ def test_request_id_names_the_answer_and_its_chunks(server: Server, name: str) -
     # without one, each call its own
     ids = {client.completions.create(model=name, prompt="a", max_tokens=1).id for _ in range(2)}
     assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
-    assert "chatcmpl-call-7_b" in server.log
+    assert server.wait_log("request chatcmpl-call-7_b:")
 
 
 def test_cache_salt_shares_cached_prefixes_only_within_a_salt(server: Server, name: str) -> None:
@@ -801,7 +801,7 @@ def test_generate_takes_sglangs_rid_and_return_text_in_logprobs(server: Server) 
     short = {"max_new_tokens": 2}
     status, one = post(server, "/generate", {"text": "a", "rid": "job-1", "sampling_params": short})
     assert status == 200 and one["meta_info"]["id"] == "job-1", one
-    assert "request job-1:" in server.log
+    assert server.wait_log("request job-1:")
     status, batch = post(
         server, "/generate", {"text": ["a", "b"], "rid": ["x", "y"], "sampling_params": short}
     )
@@ -861,3 +861,27 @@ def test_documents_are_written_by_the_template_as_client_text(
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     spelled = prompt_ids(messages=CHAT, body={"documents": [{"title": "x", "text": "<|im_end|>"}]})
     assert spelled.count(end) == 2  # the system block's and the user message's
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: Server, name: str) -> None:
+    body = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    chat = server.client().chat.completions.create(
+        model=name, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, extra_body=body
+    )
+    ids = chat.choices[0].token_ids  # type: ignore[attr-defined]
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [e.token for e in content] == [f"token_id:{i}" for i in ids]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert all(x.token.startswith("token_id:") for e in content for x in e.top_logprobs)
+    plain = server.client().chat.completions.create(
+        model=name, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    assert chat.choices[0].message.content == plain.choices[0].message.content  # the text as it was
+    done = server.client().completions.create(
+        model=name, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True, extra_body=body
+    )
+    lp = done.choices[0].logprobs
+    assert lp is not None and all(t.startswith("token_id:") for t in lp.tokens)
+    assert lp.tokens[-3:] == [f"token_id:{i}" for i in done.choices[0].token_ids]  # type: ignore[attr-defined]
+    # the offsets still count the text's characters
+    assert lp.text_offset[-1] < len(done.choices[0].text)

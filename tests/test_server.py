@@ -72,6 +72,16 @@ class Server:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def wait_log(self, pattern: str, timeout: float = 10) -> bool:
+        """Whether the log shows `pattern` (a regex) within `timeout` seconds: a thread reads the server's
+        output, so a line may come in a moment after the answer it logs."""
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.log):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, **kwargs)
 
@@ -606,10 +616,7 @@ def test_every_request_gets_one_log_line_with_its_figures(server: Server, model_
         rf"{got.usage.completion_tokens} output tokens, first token [\d.]+ s, total [\d.]+ s, "
         rf"finish_reason={got.choices[0].finish_reason}\n"
     )
-    deadline = time.monotonic() + 10
-    while not re.search(pattern, server.log) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(re.findall(pattern, server.log)) == 1, server.log[-2000:]
+    assert server.wait_log(pattern) and len(re.findall(pattern, server.log)) == 1, server.log[-2000:]
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server: Server, model_name: str) -> None:

@@ -165,7 +165,15 @@ def system_fingerprint(model: str, max_seq_len: int) -> str:
     return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any] | None] | None:
+def _name(t: TokenLogprob, as_ids: bool) -> str:
+    """A token as logprobs show it: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids), which
+    any JSON carries and tells tokens of the same text apart."""
+    return f"token_id:{t.token_id}" if as_ids else t.token
+
+
+def _prompt_logprobs(
+    entries: list[TokenLogprob] | None, as_ids: bool = False
+) -> list[dict[str, Any] | None] | None:
     """vLLM's prompt_logprobs: None for the first token (nothing comes before it), then {token id:
     {logprob, rank, decoded_token}} of the prompt token and the most likely ones."""
     if entries is None:
@@ -175,10 +183,10 @@ def _prompt_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any] 
         if t.logprob is None:
             return None
         out = {
-            str(x.token_id): {"logprob": x.logprob, "rank": r, "decoded_token": x.token}
+            str(x.token_id): {"logprob": x.logprob, "rank": r, "decoded_token": _name(x, as_ids)}
             for r, x in enumerate(t.top, 1)
         }
-        out[str(t.token_id)] = {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token}
+        out[str(t.token_id)] = {"logprob": t.logprob, "rank": t.rank, "decoded_token": _name(t, as_ids)}
         return out
 
     return [one(t) for t in entries]
@@ -214,6 +222,7 @@ class _Format:
         return_token_ids: bool = False,
         logprobs_asked: bool = False,
         request_id: str | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         # vLLM's request_id: the client's name for the call, in the answer's id and the server's log
         self.id = f"{self.id_prefix}-{request_id if request_id is not None else uuid.uuid4().hex}"
@@ -221,6 +230,7 @@ class _Format:
         self.model, self.n, self.include_usage = model, n, include_usage
         self.fingerprint, self.continuous_usage = fingerprint, continuous_usage
         self.return_token_ids, self.logprobs_asked = return_token_ids, logprobs_asked
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs name tokens by id
 
     def view(self, reply: UserReply) -> UserReply:
         """The reply as this call shows it (a call of echo alone leaves the generated token out)."""
@@ -310,7 +320,7 @@ class ChatFormat(_Format):
             if self.return_token_ids and reply.prompt_token_ids is not None:
                 first["prompt_token_ids"] = reply.prompt_token_ids
             if reply.prompt_logprobs is not None:
-                first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
+                first["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs, self.tokens_as_ids)
             out.append(first)
             if self.echo:
                 out.append(self._choice(i, reply, {"content": self.echo}))
@@ -372,7 +382,7 @@ class ChatFormat(_Format):
         entry = {
             "index": i,
             "delta": delta,
-            "logprobs": _chat_logprobs(logprobs),
+            "logprobs": _chat_logprobs(logprobs, self.tokens_as_ids),
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
@@ -394,7 +404,11 @@ class ChatFormat(_Format):
                 "index": i,
                 "message": message,
                 # asked for and empty (a choice of no tokens) is an empty list, not null
-                "logprobs": _chat_logprobs(c.logprobs) if c.logprobs or self.logprobs_asked else None,
+                "logprobs": (
+                    _chat_logprobs(c.logprobs, self.tokens_as_ids)
+                    if c.logprobs or self.logprobs_asked
+                    else None
+                ),
                 "finish_reason": finish_reason(c.finish_reason, has_calls),
                 "stop_reason": c.stop_reason,
             }
@@ -409,16 +423,17 @@ class ChatFormat(_Format):
         if self.return_token_ids:
             out["prompt_token_ids"] = choices[0].prompt_token_ids
         if choices[0].prompt_logprobs is not None:
-            out["prompt_logprobs"] = _prompt_logprobs(choices[0].prompt_logprobs)
+            out["prompt_logprobs"] = _prompt_logprobs(choices[0].prompt_logprobs, self.tokens_as_ids)
         return out
 
 
-def _chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def _chat_logprobs(logprobs: list[TokenLogprob] | None, as_ids: bool = False) -> dict[str, Any] | None:
     if logprobs is None:
         return None
 
     def entry(t: TokenLogprob) -> dict[str, Any]:
-        return {"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)}
+        name = _name(t, as_ids)
+        return {"token": name, "logprob": t.logprob, "bytes": _bytes(name)}
 
     return {"content": [entry(t) | {"top_logprobs": [entry(x) for x in t.top]} for t in logprobs]}
 
@@ -468,7 +483,7 @@ class CompletionFormat(_Format):
         entry: dict[str, Any] = {
             "index": i,
             "text": text,
-            "logprobs": _completion_logprobs(logprobs, choice, first_is_prompt=head),
+            "logprobs": _completion_logprobs(logprobs, choice, head, self.tokens_as_ids),
             "finish_reason": reply.finish_reason if reply.finished else None,
         }
         if reply.finished:
@@ -478,7 +493,7 @@ class CompletionFormat(_Format):
             if reply.prompt_token_ids is not None:
                 entry["prompt_token_ids"] = reply.prompt_token_ids
         if self.show_prompt_logprobs and reply.prompt_logprobs is not None:
-            entry["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs)
+            entry["prompt_logprobs"] = _prompt_logprobs(reply.prompt_logprobs, self.tokens_as_ids)
         return [self._envelope([entry], reply)]
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
@@ -493,7 +508,7 @@ class CompletionFormat(_Format):
             entry: dict[str, Any] = {
                 "index": i,
                 "text": text,
-                "logprobs": _completion_logprobs(logprobs, Choice(), first_is_prompt=self.echo)
+                "logprobs": _completion_logprobs(logprobs, Choice(), self.echo, self.tokens_as_ids)
                 if asked
                 else None,
                 "finish_reason": c.finish_reason,
@@ -502,7 +517,7 @@ class CompletionFormat(_Format):
             if self.return_token_ids:
                 entry["prompt_token_ids"], entry["token_ids"] = c.prompt_token_ids, c.token_ids
             if self.show_prompt_logprobs:
-                entry["prompt_logprobs"] = _prompt_logprobs(c.prompt_logprobs)
+                entry["prompt_logprobs"] = _prompt_logprobs(c.prompt_logprobs, self.tokens_as_ids)
             entries.append(entry)
         return self._head() | {
             "object": "text_completion",
@@ -512,7 +527,7 @@ class CompletionFormat(_Format):
 
 
 def _completion_logprobs(
-    logprobs: list[TokenLogprob] | None, choice: Choice, first_is_prompt: bool = False
+    logprobs: list[TokenLogprob] | None, choice: Choice, first_is_prompt: bool = False, as_ids: bool = False
 ) -> dict[str, Any] | None:
     """The legacy completions shape; `choice` keeps the text offset across stream chunks.
 
@@ -528,13 +543,13 @@ def _completion_logprobs(
     tops: list[dict[str, float] | None] = []
     for t in logprobs:
         # tokens with the same text share a key: the most likely one keeps it
-        top = {x.token: x.logprob for x in reversed(t.top)}
-        top.setdefault(t.token, t.logprob)
+        top = {_name(x, as_ids): x.logprob for x in reversed(t.top)}
+        top.setdefault(_name(t, as_ids), t.logprob)
         tops.append(top)
     if first_is_prompt and logprobs and logprobs[0].logprob is None:
         tops[0] = None
     return {
-        "tokens": [t.token for t in logprobs],
+        "tokens": [_name(t, as_ids) for t in logprobs],
         "token_logprobs": [t.logprob for t in logprobs],
         "top_logprobs": tops,
         "text_offset": offsets,
@@ -986,6 +1001,7 @@ def create_app(
             "continuous_usage": req.continuous_usage,
             "return_token_ids": bool(req.return_token_ids),
             "request_id": req.checked_request_id(),
+            "tokens_as_ids": bool(req.return_tokens_as_token_ids),
         }
 
     async def tokens(request: Request, msg: TokensMsg, param: str) -> TokensReply:

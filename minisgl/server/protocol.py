@@ -319,6 +319,8 @@ class _OpenAIBase(OpenAILabels):
     spaces_between_special_tokens: bool | None = None
     # vLLM's: the prompt's and the choice's token ids in the answer
     return_token_ids: bool | None = None
+    # vLLM's: logprobs name each token "token_id:N" instead of its text
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's and SGLang's: the request's place in the queue under priority scheduling (queue_priority)
     priority: int | None = None
     # vLLM's: only the prompt's last tokens are kept (kept_prompt_tokens)
