@@ -17,6 +17,8 @@ SEED_RANGE = (INT64_MIN, (1 << 64) - 1)
 # request shares: their number and length are bounded so that no request can slow the others down.
 MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 256
 MAX_STOP_TOKEN_IDS = 1024  # looked up after every token
+# allowed_token_ids become a bitmask row once per request: any vocabulary fits (the largest have ~260k tokens)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 # logit_bias is a sparse add over the vocabulary inside the batch: its size per request is bounded so that
 # one request cannot make every step of the others slower; the bias range is OpenAI's
 MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE = 1024, (-100.0, 100.0)
@@ -82,6 +84,9 @@ class SamplingParams:
     regex: str | None = _param(None, "the output matches this regular expression")
     ebnf: str | None = _param(None, "the output is a sentence of this EBNF grammar (root rule: root)")
     skip_special_tokens: bool = _param(True, "leave control tokens (<|im_end|> and the like) out of the text")
+    allowed_token_ids: list[int] | None = _param(
+        None, "sample only among these token ids (vLLM's); EOS ends the output only if it is one of them"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +138,15 @@ class SamplingParams:
             raise bad(
                 "stop_token_ids",
                 f"at most {MAX_STOP_TOKEN_IDS} stop token ids, each an integer in [0, 2**63 - 1]",
+            )
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+            or not all(is_int(t, 0) for t in self.allowed_token_ids)
+        ):
+            raise bad(
+                "allowed_token_ids",
+                f"it must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0), or None",
             )
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "it must be true or false")

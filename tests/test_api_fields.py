@@ -175,6 +175,21 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "documents[0]",
     ),
     "documents-empty-one": ("/v1/chat/completions", {"messages": CHAT, "documents": [{}]}, "documents[0]"),
+    "allowed-token-ids-empty": (
+        "/v1/completions",
+        {"prompt": "a", "allowed_token_ids": []},
+        "allowed_token_ids",
+    ),
+    "allowed-token-ids-outside-the-vocabulary": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "allowed_token_ids": [1, 99999]},
+        "allowed_token_ids",
+    ),
+    "allowed-token-ids-in-generate": (
+        "/generate",
+        {"text": "a", "sampling_params": {"allowed_token_ids": [-3]}},
+        "sampling_params.allowed_token_ids",
+    ),
     "truncate-on-generate": (
         "/generate",
         {"text": "a", "truncate_prompt_tokens": 1},
@@ -885,3 +900,15 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: Server, n
     assert lp.tokens[-3:] == [f"token_id:{i}" for i in done.choices[0].token_ids]  # type: ignore[attr-defined]
     # the offsets still count the text's characters
     assert lp.text_offset[-1] < len(done.choices[0].text)
+
+
+def test_allowed_token_ids_hold_every_sampled_token(server: Server, name: str) -> None:
+    allowed = [5, 9, 17, 40]
+    out = server.client().chat.completions.create(
+        model=name,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=1.0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+    )
+    assert set(out.choices[0].token_ids) <= set(allowed) and len(out.choices[0].token_ids) == 10  # type: ignore[attr-defined]

@@ -134,6 +134,8 @@ class GrammarManager:
         # masks filled in pinned memory reach a GPU by an asynchronous copy
         self.pin_memory = pin_memory
         self.matchers: dict[int, Any] = {}
+        # vLLM's allowed_token_ids: a fixed bitmask row a request, applied beside (or without) a grammar's
+        self.allowed: dict[int, torch.Tensor] = {}
         self._compiling: dict[int, Future[Any]] = {}
         # one thread: compiles run in arrival order, and the compiler's cache is touched by one at a time
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-grammar")
@@ -143,15 +145,18 @@ class GrammarManager:
     @property
     def active(self) -> bool:
         """Some request is constrained."""
-        return bool(self.matchers) or bool(self._compiling)
+        return bool(self.matchers) or bool(self._compiling) or bool(self.allowed)
 
     def constrains(self, reqs: list[Any]) -> bool:
         """Some request of `reqs` is constrained, so the batch's masks need every token sampled before it
         (never waits for a compile: the answer is the same before and after it)."""
-        return any(r.uid in self.matchers or r.uid in self._compiling for r in reqs)
+        return any(r.uid in self.matchers or r.uid in self._compiling or r.uid in self.allowed for r in reqs)
 
     def add(self, uid: int, params: SamplingParams) -> None:
-        """Start compiling the request's grammar (cached) on the compile thread; its matcher is taken later."""
+        """Start compiling the request's grammar (cached) on the compile thread; its matcher is taken later.
+        Its allowed_token_ids become its bitmask row now."""
+        if params.allowed_token_ids is not None:
+            self.allowed[uid] = token_bits(params.allowed_token_ids, self.vocab_size)
         grammar = params.grammar
         if grammar is None:
             return
@@ -195,6 +200,7 @@ class GrammarManager:
 
     def remove(self, uid: int) -> None:
         self.matchers.pop(uid, None)
+        self.allowed.pop(uid, None)
         future = self._compiling.pop(uid, None)
         if future is not None:
             future.cancel()
@@ -222,17 +228,30 @@ class GrammarManager:
         kind, not of `can_decode`: under overlap the masks are filled after the step has been counted
         (`complete_one`), when a request sampling its last token can no longer decode.
         """
-        rows = [
-            (i, m)
-            for i, r in enumerate(reqs)
-            if not isinstance(r, ChunkedReq) and (m := self._matcher(r.uid)) is not None
-        ]
-        if not rows:
+        sampling = [(i, r) for i, r in enumerate(reqs) if not isinstance(r, ChunkedReq)]
+        rows = [(i, m) for i, r in sampling if (m := self._matcher(r.uid)) is not None]
+        fixed = [(i, bits) for i, r in sampling if (bits := self.allowed.get(r.uid)) is not None]
+        if not rows and not fixed:
             return None
         shape = (len(reqs), (self.vocab_size + 31) // 32)
         mask = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, indices=[i for i, _ in rows])
+        if rows:
+            self._batch.batch_fill_next_token_bitmask(
+                [m for _, m in rows], mask, indices=[i for i, _ in rows]
+            )
+        for i, bits in fixed:
+            mask[i] &= bits  # with a grammar too: the tokens both allow
         return mask
+
+
+def token_bits(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """The [ceil(V/32)] int32 bitmask row (fill_masks' layout) allowing exactly `token_ids`."""
+    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.int64)
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    # each word's bits summed: distinct bits of one word add as they would be or-ed
+    words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
+    # as int32 two's complement: bit 31 set is a negative word, as the grammar engine writes it
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ def _add_sampling_options(group: Any) -> None:
                 metavar="ID=VALUE",
                 help=f"{text}; repeatable (default: none)",
             )
-        elif get_origin(kind) is list:
-            item = get_args(kind)[0]
+        elif get_origin(_listed(kind)) is list:
+            item = get_args(_listed(kind))[0]
             group.add_argument(
                 flag, action="append", type=item, default=[], help=f"{text}; repeatable (default: none)"
             )
@@ -62,6 +62,12 @@ def _add_sampling_options(group: Any) -> None:
             scalar = next(t for t in (int, float, str) if t is kind or t in get_args(kind))
             default = _DEFAULTS.get(f.name, f.default)
             group.add_argument(flag, type=scalar, default=default, help=f"{text} (default: %(default)s)")
+
+
+def _listed(kind: Any) -> Any:
+    """A list type as it is, or the list of an optional list (`list[int] | None`, whose option left out is None)."""
+    lists = [k for k in get_args(kind) if get_origin(k) is list]
+    return lists[0] if lists and type(None) in get_args(kind) else kind
 
 
 def _id_and_value(text: str) -> tuple[int, float]:
@@ -159,6 +165,7 @@ def main(argv: list[str]) -> int:
 
     values = {name: getattr(args, name) for name in _sampling_fields()}
     values["logit_bias"] = dict(values["logit_bias"])
+    values["allowed_token_ids"] = values["allowed_token_ids"] or None  # none given: every token
     params = SamplingParams(**values)
     try:
         params.validate()

@@ -52,6 +52,14 @@ def check_request(input_ids: list[int], params: SamplingParams, limits: RequestL
             "logit_bias",
             "invalid_logit_bias",
         )
+    allowed = params.allowed_token_ids
+    if allowed is not None and max(allowed) >= vocab:
+        raise RequestError(
+            f"allowed_token_ids has token ids outside the vocabulary ({max(allowed)} among them); each must be "
+            f"in [0, {vocab})",
+            "allowed_token_ids",
+            "invalid_allowed_token_ids",
+        )
     max_tokens = min(params.max_tokens, max_seq_len - input_len)
     pool = limits.num_pages * limits.page_size
     # the same whole pages PrefillAdder asks for, so a request that passes here is admitted once the pool is idle

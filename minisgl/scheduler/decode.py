@@ -25,7 +25,9 @@ class DecodeManager:
         running = self.running
         for req in reqs:
             if req.can_decode:
-                running[req.uid] = req  # a prompt's last chunk is a new Req of the same uid: it takes the place
+                running[req.uid] = (
+                    req  # a prompt's last chunk is a new Req of the same uid: it takes the place
+                )
             elif running.get(req.uid) is req:
                 del running[req.uid]
 

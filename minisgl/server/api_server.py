@@ -769,11 +769,14 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
         "no_chat_template",
     )
     param = fmt.prompt_param if reply.error_code in prompt_codes else None
-    if reply.error_code == "invalid_logit_bias":  # found by the request check, which knows the vocabulary
-        param = fmt.sampling_prefix + "logit_bias"
+    if reply.error_code in _VOCAB_PARAMS:  # found by the request check, which knows the vocabulary
+        param = fmt.sampling_prefix + _VOCAB_PARAMS[reply.error_code]
     param = _WORKER_PARAMS.get(reply.error_code or "", param)
     return APIError(reply.error or "the request failed", param, reply.error_code)
 
+
+# the sampling field at fault for token ids outside the vocabulary, which only the request check knows, by its code
+_VOCAB_PARAMS = {"invalid_logit_bias": "logit_bias", "invalid_allowed_token_ids": "allowed_token_ids"}
 
 # the field at fault for an error only the tokenizer worker finds (it knows the chat template), by its code: for
 # a generation's first reply and a /tokenize reply alike
