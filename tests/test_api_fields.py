@@ -912,3 +912,40 @@ def test_allowed_token_ids_hold_every_sampled_token(server: Server, name: str) -
         extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
     )
     assert set(out.choices[0].token_ids) <= set(allowed) and len(out.choices[0].token_ids) == 10  # type: ignore[attr-defined]
+
+
+def test_responses_give_the_output_texts_logprobs_where_asked(server: Server, name: str) -> None:
+    client = server.client()
+    ask = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    kwargs = {"model": name, "input": "hello world", "max_output_tokens": 5, "temperature": 0}
+    whole = client.responses.create(**kwargs, extra_body={"ignore_eos": True}, **ask)  # type: ignore[call-overload]
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == 5 and "".join(t.token for t in part.logprobs) == whole.output_text
+    assert all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    # the chat route's for the same conversation
+    chat = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "hello world"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    want = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [t.token for t in part.logprobs] == [t.token for t in want]
+    # (the prompt read from the prefix cache the second time: the same values to float32's rounding)
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(part.logprobs, want))
+    events = list(client.responses.create(**kwargs, stream=True, extra_body={"ignore_eos": True}, **ask))  # type: ignore[call-overload]
+    # the deltas carry their tokens' (a token whose text is held back, with the text that follows); the done
+    # events all of them
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = events[-1].response.output[0].content[0].logprobs
+    assert [t.token for t in done] == [t.token for t in part.logprobs]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(done, part.logprobs))
+    assert [t.token for t in streamed] == [t.token for t in done][: len(streamed)] and len(streamed) >= 3
+    # not asked for: none
+    assert client.responses.create(**kwargs).output[0].content[0].logprobs == []  # type: ignore[call-overload]
+    for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({**ask, "top_logprobs": 21}, "top_logprobs")):
+        status, got = post(server, "/v1/responses", {"model": name, "input": "a", **body})
+        assert status == 400 and got["error"]["param"] == param, got

@@ -624,7 +624,7 @@ class ResponsesFormat(_Format):
             out += self._stream.start()
         reasoning, text = self._split(reply)
         if self._calls is None:
-            out += self._stream.feed(reasoning, text)
+            out += self._stream.feed(reasoning, text, self._logprobs(reply.logprobs))
         else:
             out += self._stream.feed(reasoning, "")
             pieces = self._calls.feed(text) + (self._calls.finish() if reply.finished else [])
@@ -646,7 +646,7 @@ class ResponsesFormat(_Format):
             reasoning, text = ReasoningParser(self.reasoning, bool(c.reasoning_open)).step(text, True)
         status, incomplete = status_of(c.finish_reason)
         message, _ = answer_message(text, self.tools)
-        output = output_items(reasoning, message, status)
+        output = output_items(reasoning, message, status, self._logprobs(c.logprobs))
         counts = c.prompt_tokens, c.cached_tokens, c.completion_tokens, c.reasoning_tokens
         return self.head() | {
             "status": status,
@@ -654,6 +654,11 @@ class ResponsesFormat(_Format):
             "output": output,
             "usage": response_usage(*counts),
         }
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]] | None:
+        """The tokens' log-probabilities as output_text parts carry them (chat's entries), where asked for."""
+        shown = _chat_logprobs(logprobs) if self.req.logprobs else None
+        return None if shown is None else shown["content"]
 
     def sse(self, event: dict[str, Any]) -> str:
         return f"event: {event['type']}\n{_sse(event)}"
@@ -1097,6 +1102,13 @@ def create_app(
             raise responses_param(e) from e
         within_context(req.max_output_tokens, "max_output_tokens")
         reasoning = info.reasoning
+        if req.logprobs and (reasoning is not None or tools.format is not None):
+            raise APIError(
+                "the output text's log-probabilities are not given with a reasoning parser or tools, whose split of "
+                "the text would have to split them token by token; leave include out",
+                "include",
+                "unsupported_parameter",
+            )
         msg = TokenizeMsg(
             [params],
             messages=tools.messages(req.messages()),

@@ -6,8 +6,9 @@ fields as on the chat route (`max_output_tokens` for `max_tokens`), `text.format
 parser's reasoning as a `reasoning` output item, function tools as the chat route takes them (calls as
 `function_call` items; earlier calls and their outputs taken back as input items), and streams of `response.*`
 events. What it does not do is refused naming the field: stored responses (`store: true`, `previous_response_id`,
-`background`), tools other than functions, `include`, `reasoning` settings, `truncation: auto`, `top_logprobs`,
-and other input items.
+`background`), tools other than functions, `include` other than the output text's log-probabilities (which a
+reasoning parser or tools would have to split token by token), `reasoning` settings, `truncation: auto`, and other
+input items.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _PART_TYPES = {"user": "input_text", "system": "input_text", "assistant": "outpu
 _MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
 _REASONING_KEYS = {"type", "id", "summary", "content", "status", "encrypted_content"}
 _CALL_KEYS = {"type", "id", "call_id", "name", "arguments", "status"}
+# what include may ask for: the output text's log-probabilities
+LOGPROBS = "message.output_text.logprobs"
 _OUTPUT_KEYS = {"type", "id", "call_id", "output", "status"}
 
 
@@ -73,14 +76,26 @@ class _ResponsesBase(OpenAILabels):
             ("previous_response_id", self.previous_response_id, "no response is stored to continue; send the "
              "whole conversation in input"),
             ("background", self.background, "background responses are not supported"),
-            ("include", self.include, "include is not supported"),
             ("reasoning", self.reasoning, "reasoning settings are not supported; a reasoning parser "
              "(--reasoning-parser) answers a thinking model's reasoning as an output item"),
-            ("top_logprobs", self.top_logprobs, "top_logprobs is not supported on /v1/responses"),
         ]  # fmt: skip
         for name, value, why in refused:
             if value:
                 raise APIError(why, name, "unsupported_parameter")
+        unknown = [x for x in self.include or [] if x != LOGPROBS]
+        if unknown:
+            raise APIError(
+                f"include {_short(unknown[0])} is not supported; only {LOGPROBS!r} is",
+                "include",
+                "unsupported_parameter",
+            )
+        if self.top_logprobs is not None and not (0 <= self.top_logprobs <= 20 and self.logprobs):
+            raise APIError(
+                f"top_logprobs={_short(self.top_logprobs)} is invalid: an integer in [0, 20], with include "
+                f"[{LOGPROBS!r}] that returns them",
+                "top_logprobs",
+                "invalid_value",
+            )
         if self.truncation not in (None, "disabled"):
             raise APIError(
                 "truncation: auto is not supported; leave it out (disabled: a prompt over the context is refused)",
@@ -91,6 +106,11 @@ class _ResponsesBase(OpenAILabels):
 
     def checked_request_id(self) -> str | None:
         return checked_request_id(self.request_id)
+
+    @property
+    def logprobs(self) -> bool:
+        """The output text's log-probabilities asked for (include, with top_logprobs of them each)."""
+        return LOGPROBS in (self.include or [])
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation for the chat template: instructions first, then the input's messages (an earlier
@@ -160,6 +180,8 @@ class _ResponsesBase(OpenAILabels):
         values = _wire_values(self, _NAMES)
         if values["temperature"] is None:
             values["temperature"] = 1.0  # OpenAI's default
+        if self.logprobs:
+            values["logprobs"] = self.top_logprobs or 0
         names = dict(_NAMES)
         schema = _text_format(self.text)
         if schema is not None:
@@ -317,8 +339,10 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [output_text(text)]
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
@@ -333,21 +357,24 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
     }
 
 
-def output_items(reasoning: str, message: dict[str, Any], status: str) -> list[dict[str, Any]]:
-    """A whole answer's output items: its reasoning, its text, its calls (answer_message's chat message)."""
+def output_items(
+    reasoning: str, message: dict[str, Any], status: str, logprobs: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """A whole answer's output items: its reasoning, its text (with its tokens' `logprobs` where asked), its calls
+    (answer_message's chat message)."""
     item_status = _item_status(status)
     out = [reasoning_item(new_id("rs"), reasoning, item_status)] if reasoning else []
     calls = message.get("tool_calls") or []
     if message["content"] or not calls:
-        out.append(message_item(new_id("msg"), message["content"] or "", item_status))
+        out.append(message_item(new_id("msg"), message["content"] or "", item_status, logprobs))
     for c in calls:
         fn = c["function"]
         out.append(function_call_item(new_id("fc"), c["id"], fn["name"], fn["arguments"], item_status))
     return out
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def usage(prompt: int, cached: int, output: int, reasoning: int | None) -> dict[str, Any]:
@@ -382,6 +409,8 @@ class ResponseStream:
         self._message: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # the function_call items by the parser's call index
         self._texts: dict[str, str] = {}
+        self._logprobs: list[dict[str, Any]] = []  # the message text's tokens', where asked for
+        self._held: list[dict[str, Any]] = []  # of them, those no delta has shown yet
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.seq += 1
@@ -394,7 +423,10 @@ class ResponseStream:
             self._event("response.in_progress", response=response),
         ]
 
-    def feed(self, reasoning: str, text: str) -> list[dict[str, Any]]:
+    def feed(
+        self, reasoning: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """Events of a reply's new reasoning and text (`logprobs`: its tokens', all of them the text's)."""
         out = []
         if reasoning:
             if self._reasoning is None:
@@ -411,8 +443,14 @@ class ResponseStream:
             item = self._message
             assert item is not None
             self._texts[item["id"]] = self._texts.get(item["id"], "") + text
+            shown, self._held = self._held + (logprobs or []), []
+            self._logprobs += logprobs or []
             out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index(item),
-                                   content_index=0, delta=text, logprobs=[]))  # fmt: skip
+                                   content_index=0, delta=text, logprobs=shown))  # fmt: skip
+        elif logprobs:
+            # tokens whose text is held back (a character not yet whole): shown with the text that comes next
+            self._held += logprobs
+            self._logprobs += logprobs
         return out
 
     def finish(
@@ -471,13 +509,13 @@ class ResponseStream:
             return []
         self._message = None
         text, index = self._texts[item["id"]], self._index(item)
-        done = message_item(item["id"], text, _item_status(status))
+        done = message_item(item["id"], text, _item_status(status), self._logprobs)
         self.items[index] = done
         return [
             self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                        text=text, logprobs=[]),
+                        text=text, logprobs=self._logprobs),
             self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                        part=output_text(text)),
+                        part=output_text(text, self._logprobs)),
             self._event("response.output_item.done", output_index=index, item=done),
         ]  # fmt: skip
 
