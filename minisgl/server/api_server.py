@@ -361,14 +361,7 @@ class ChatFormat(_Format):
         return out
 
     def _split(self, i: int, reply: UserReply) -> tuple[str, str]:
-        """The reply's new text as (reasoning, answer); all answer when the reasoning is not split."""
-        if self.reasoning is None:
-            return "", reply.text
-        parser = self._reasoners.get(i)
-        if parser is None:  # this is the choice's first reply, which says where the prompt left off
-            parser = ReasoningParser(self.reasoning, bool(reply.reasoning_open), self.stream_reasoning)
-            self._reasoners[i] = parser
-        return parser.step(reply.text, reply.finished)
+        return _split_reasoning(self._reasoners, i, self.reasoning, reply, self.stream_reasoning)
 
     def _choice(
         self,
@@ -425,6 +418,22 @@ class ChatFormat(_Format):
         if choices[0].prompt_logprobs is not None:
             out["prompt_logprobs"] = _prompt_logprobs(choices[0].prompt_logprobs, self.tokens_as_ids)
         return out
+
+
+def _split_reasoning(
+    parsers: dict[int, ReasoningParser],
+    i: int,
+    fmt: ReasoningFormat | None,
+    reply: UserReply,
+    stream: bool = True,
+) -> tuple[str, str]:
+    """Choice i's new text as (reasoning, answer), its parser in `parsers`; all answer when `fmt` is None."""
+    if fmt is None:
+        return "", reply.text
+    parser = parsers.get(i)
+    if parser is None:  # this is the choice's first reply, which says where the prompt left off
+        parser = parsers[i] = ReasoningParser(fmt, bool(reply.reasoning_open), stream)
+    return parser.step(reply.text, reply.finished)
 
 
 def _chat_logprobs(logprobs: list[TokenLogprob] | None, as_ids: bool = False) -> dict[str, Any] | None:
@@ -576,7 +585,7 @@ class ResponsesFormat(_Format):
         super().__init__(model, 1, include_usage=False, request_id=request_id)
         self.id = f"resp_{request_id if request_id is not None else uuid.uuid4().hex}"  # OpenAI's spelling
         self.req, self.params, self.reasoning, self.tools = req, params, reasoning, tools
-        self._parser: ReasoningParser | None = None
+        self._reasoners: dict[int, ReasoningParser] = {}
         self._calls = None if tools.format is None else ToolCallParser(tools.format, tools.max_calls)
         self._stream: ResponseStream | None = None
 
@@ -610,19 +619,12 @@ class ResponsesFormat(_Format):
             "usage": None,
         }
 
-    def _split(self, reply: UserReply) -> tuple[str, str]:
-        if self.reasoning is None:
-            return "", reply.text
-        if self._parser is None:  # the first reply says where the prompt left off
-            self._parser = ReasoningParser(self.reasoning, bool(reply.reasoning_open))
-        return self._parser.step(reply.text, reply.finished)
-
     def chunks(self, i: int, reply: UserReply, choice: Choice) -> list[dict[str, Any]]:
         out = []
         if self._stream is None:
             self._stream = ResponseStream(self.head())
             out += self._stream.start()
-        reasoning, text = self._split(reply)
+        reasoning, text = _split_reasoning(self._reasoners, i, self.reasoning, reply)
         if self._calls is None:
             out += self._stream.feed(reasoning, text, self._logprobs(reply.logprobs))
         else:

@@ -307,13 +307,25 @@ class OpenAILabels(_Strict):
             )
 
 
-class _OpenAIBase(OpenAILabels):
+class ServingOptions(_Strict):
+    """vLLM's (and SGLang's priority) request options of how a call is served, on the OpenAI routes alike."""
+
+    # the request's place in the queue under priority scheduling (queue_priority)
+    priority: int | None = None
+    # a request shares the prefix cache only with requests of the same salt (CacheManager.cache_key)
+    cache_salt: str | None = None
+    # the client's name for the call, in the answer's id (checked_request_id)
+    request_id: str | None = None
+
+    def checked_request_id(self) -> str | None:
+        return checked_request_id(self.request_id)
+
+
+class _OpenAIBase(OpenAILabels, ServingOptions):
     model: str | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # vLLM's: a request shares the prefix cache only with requests of the same salt (CacheManager.cache_key)
-    cache_salt: str | None = None
     # vLLM's: spaces between control tokens kept in the text (by the sampling field skip_special_tokens:
     # false); true (the default) is transformers' decode as it is, false refused
     spaces_between_special_tokens: bool | None = None
@@ -321,12 +333,8 @@ class _OpenAIBase(OpenAILabels):
     return_token_ids: bool | None = None
     # vLLM's: logprobs name each token "token_id:N" instead of its text
     return_tokens_as_token_ids: bool | None = None
-    # vLLM's and SGLang's: the request's place in the queue under priority scheduling (queue_priority)
-    priority: int | None = None
     # vLLM's: only the prompt's last tokens are kept (kept_prompt_tokens)
     truncate_prompt_tokens: int | None = None
-    # vLLM's: the client's name for the call, in the answer's id (checked_request_id)
-    request_id: str | None = None
     # structured output as OpenAI (response_format) and vLLM ask for it; SGLang's fields are sampling fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -338,9 +346,6 @@ class _OpenAIBase(OpenAILabels):
     @property
     def num_choices(self) -> int:
         return _num_choices(self.n, "n")
-
-    def checked_request_id(self) -> str | None:
-        return checked_request_id(self.request_id)
 
     def kept_prompt_tokens(self, max_seq_len: int, max_tokens: int) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all): k >= 1 keeps k; -1

@@ -24,12 +24,12 @@ from minisgl.core import SamplingParams
 from minisgl.server.protocol import (
     APIError,
     OpenAILabels,
+    ServingOptions,
     _sampling_fields,
     _short,
     _wire_values,
     check_cache_salt,
     checked_params,
-    checked_request_id,
 )
 from minisgl.server.tools import parsed_arguments
 
@@ -46,7 +46,7 @@ LOGPROBS = "message.output_text.logprobs"
 _OUTPUT_KEYS = {"type", "id", "call_id", "output", "status"}
 
 
-class _ResponsesBase(OpenAILabels):
+class _ResponsesBase(OpenAILabels, ServingOptions):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -64,10 +64,6 @@ class _ResponsesBase(OpenAILabels):
     truncation: str | None = None
     top_logprobs: int | None = None
     text: dict[str, Any] | None = None
-    # vLLM's, as on the chat route
-    priority: int | None = None
-    cache_salt: str | None = None
-    request_id: str | None = None
 
     def check_fields(self) -> None:
         """Refuse what this server does not do, naming the field."""
@@ -103,9 +99,6 @@ class _ResponsesBase(OpenAILabels):
                 "unsupported_parameter",
             )
         check_cache_salt(self.cache_salt)
-
-    def checked_request_id(self) -> str | None:
-        return checked_request_id(self.request_id)
 
     @property
     def logprobs(self) -> bool:
