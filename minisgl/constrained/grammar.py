@@ -150,6 +150,8 @@ class GrammarManager:
     def constrains(self, reqs: list[Any]) -> bool:
         """Some request of `reqs` is constrained, so the batch's masks need every token sampled before it
         (never waits for a compile: the answer is the same before and after it)."""
+        if not self.active:  # most steps: no request is constrained, and no row need be looked at
+            return False
         return any(r.uid in self.matchers or r.uid in self._compiling or r.uid in self.allowed for r in reqs)
 
     def add(self, uid: int, params: SamplingParams) -> None:
