@@ -19,6 +19,8 @@ MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 256
 MAX_STOP_TOKEN_IDS = 1024  # looked up after every token
 # allowed_token_ids become a bitmask row once per request: any vocabulary fits (the largest have ~260k tokens)
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
+# bad_words are matched against the end of every step's output of their request: bounded like stop strings
+MAX_BAD_WORDS = 128
 # logit_bias is a sparse add over the vocabulary inside the batch: its size per request is bounded so that
 # one request cannot make every step of the others slower; the bias range is OpenAI's
 MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE = 1024, (-100.0, 100.0)
@@ -87,12 +89,18 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = _param(
         None, "sample only among these token ids (vLLM's); EOS ends the output only if it is one of them"
     )
+    bad_words: list[str] = _param(
+        [], "words the output never contains (vLLM's): each as written alone and after a space, as tokens"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
 
@@ -147,6 +155,13 @@ class SamplingParams:
             raise bad(
                 "allowed_token_ids",
                 f"it must be a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0), or None",
+            )
+        if len(self.bad_words) > MAX_BAD_WORDS or any(
+            not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_LEN or not w.strip() for w in self.bad_words
+        ):
+            raise bad(
+                "bad_words",
+                f"at most {MAX_BAD_WORDS} words, each of 1 to {MAX_STOP_LEN} characters, not all of them spaces",
             )
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "it must be true or false")

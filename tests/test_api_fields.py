@@ -274,6 +274,19 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "sampling_params.max_new_tokens",
     ),
     "max-tokens-0-without-echo": ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    "bad-words-of-spaces": ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["  "]}, "bad_words"),
+    "bad-words-a-string": ("/v1/completions", {"prompt": "a", "bad_words": "a"}, "bad_words"),
+    # found by the scheduler, which tokenizes the words: nothing allowed is left to sample
+    "bad-words-ban-every-allowed-token": (
+        "/v1/completions",
+        {"prompt": "a", "allowed_token_ids": [67], "bad_words": ["a"]},  # 67: the tiny tokenizer's "a"
+        "bad_words",
+    ),
+    "bad-words-in-generate": (
+        "/generate",
+        {"text": "a", "sampling_params": {"bad_words": [""]}},
+        "sampling_params.bad_words",
+    ),
 }
 
 
@@ -949,3 +962,26 @@ def test_responses_give_the_output_texts_logprobs_where_asked(server: Server, na
     for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({**ask, "top_logprobs": 21}, "top_logprobs")):
         status, got = post(server, "/v1/responses", {"model": name, "input": "a", **body})
         assert status == 400 and got["error"]["param"] == param, got
+
+
+def test_bad_words_never_appear_in_the_output(server: Server, name: str, tokenizer: Any) -> None:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": name, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    free = client.chat.completions.create(**kwargs, extra_body=ids).choices[0].token_ids  # type: ignore[attr-defined]
+    # a token of the free answer that is a word as the tokenizer writes it (alone or after a space)
+    token = next(
+        t
+        for t in free
+        if tokenizer.decode([t]).strip()
+        and tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t]
+    )
+    word = tokenizer.decode([token]).strip()
+    banned = [token]
+    out = client.chat.completions.create(**kwargs, extra_body={**ids, "bad_words": [word]})
+    tokens = out.choices[0].token_ids  # type: ignore[attr-defined]
+    assert banned[0] in free and len(banned) == 1 and banned[0] not in tokens and len(tokens) == 12
+    # the same on /generate, in SGLang's sampling_params
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"bad_words": [word], "max_new_tokens": 12}}
+    status, got = post(server, "/generate", {**body, "return_logprob": True})
+    assert status == 200 and banned[0] not in [e[1] for e in got["meta_info"]["output_token_logprobs"]], got

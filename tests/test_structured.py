@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_trace import host_steps, load
-from tiny import assert_nothing_held
+from tiny import assert_nothing_held, overlap_loop_llm
 
 from minisgl.constrained.grammar import MAX_GRAMMAR_CHARS, GrammarManager, apply_token_mask, choice_regex
 from minisgl.core import Batch, RequestError, SamplingParams, set_global_ctx
@@ -155,15 +155,6 @@ def test_unconstrained_requests_beside_constrained_ones_get_their_own_tokens(tin
     assert [o["token_ids"] for o in mixed[:3]] == [o["token_ids"] for o in alone]
 
 
-class _OverlapLLM(LLM):
-    """The overlap loop, which runs on CUDA, driven on the CPU."""
-
-    def run_forever(self) -> None:
-        last = None
-        while True:
-            last = self.overlap_loop(last)
-
-
 @pytest.fixture
 def overlap_llm(
     tiny_llm: LLM, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
@@ -174,7 +165,7 @@ def overlap_llm(
     built: list[LLM] = []
 
     def make(**kwargs: Any) -> LLM:
-        built.append(_OverlapLLM(tiny_model("llama"), dtype=torch.float32, max_running_req=16, **kwargs))
+        built.append(overlap_loop_llm(tiny_model("llama"), dtype=torch.float32, max_running_req=16, **kwargs))
         return built[-1]
 
     yield make

@@ -178,6 +178,19 @@ def assert_nothing_held(llm: LLM) -> None:
     llm.check_integrity()
 
 
+def overlap_loop_llm(folder: str, **kwargs: Any) -> LLM:
+    """An LLM whose scheduler runs the overlap loop (which runs on CUDA) on the CPU."""
+    from minisgl.llm import LLM
+
+    class OverlapLLM(LLM):
+        def run_forever(self) -> None:
+            last = None
+            while True:
+                last = self.overlap_loop(last)
+
+    return OverlapLLM(folder, **kwargs)
+
+
 QUANT_PROMPTS = [[5, 9, 14, 3], [40, 41, 42], [7] * 9, [100, 7, 3, 55, 21]]
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from minisgl.constrained.bad_words import BadWords, word_sequences
+from minisgl.constrained.bits import token_bits
 from minisgl.core import ChunkedReq
 from minisgl.params import RequestError, SamplingParams
 from minisgl.utils.logger import init_logger
@@ -136,6 +138,9 @@ class GrammarManager:
         self.matchers: dict[int, Any] = {}
         # vLLM's allowed_token_ids: a fixed bitmask row a request, applied beside (or without) a grammar's
         self.allowed: dict[int, torch.Tensor] = {}
+        # vLLM's bad_words: the sequences a request bans, its bans a row each step
+        self.bad_words: dict[int, BadWords] = {}
+        self._valid: torch.Tensor | None = None  # the row allowing every token of the vocabulary
         self._compiling: dict[int, Future[Any]] = {}
         # one thread: compiles run in arrival order, and the compiler's cache is touched by one at a time
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-grammar")
@@ -145,25 +150,40 @@ class GrammarManager:
     @property
     def active(self) -> bool:
         """Some request is constrained."""
-        return bool(self.matchers) or bool(self._compiling) or bool(self.allowed)
+        return bool(self.matchers) or bool(self._compiling) or bool(self.allowed) or bool(self.bad_words)
 
     def constrains(self, reqs: list[Any]) -> bool:
         """Some request of `reqs` is constrained, so the batch's masks need every token sampled before it
         (never waits for a compile: the answer is the same before and after it)."""
         if not self.active:  # most steps: no request is constrained, and no row need be looked at
             return False
-        return any(r.uid in self.matchers or r.uid in self._compiling or r.uid in self.allowed for r in reqs)
+        return any(
+            r.uid in self.matchers
+            or r.uid in self._compiling
+            or r.uid in self.allowed
+            or r.uid in self.bad_words
+            for r in reqs
+        )
 
     def add(self, uid: int, params: SamplingParams) -> None:
         """Start compiling the request's grammar (cached) on the compile thread; its matcher is taken later.
-        Its allowed_token_ids become its bitmask row now."""
+        Its allowed_token_ids become its bitmask row now, its bad_words token sequences."""
+        grammar = params.grammar
+        if grammar is not None:
+            _xgrammar()  # RequestError now, not on the thread, when xgrammar is missing
+        banned = None
+        if params.bad_words:
+            banned = BadWords(
+                word_sequences(self.tokenizer, params.bad_words, self.vocab_size), self.vocab_size
+            )
+            banned.check_allowed(params.allowed_token_ids)
+        # nothing is kept for a request refused above
+        if banned is not None:
+            self.bad_words[uid] = banned
         if params.allowed_token_ids is not None:
             self.allowed[uid] = token_bits(params.allowed_token_ids, self.vocab_size)
-        grammar = params.grammar
-        if grammar is None:
-            return
-        _xgrammar()  # RequestError now, not on the thread, when xgrammar is missing
-        self._compiling[uid] = self._pool.submit(self._compile, *grammar)
+        if grammar is not None:
+            self._compiling[uid] = self._pool.submit(self._compile, *grammar)
 
     def _compile(self, kind: str, text: str) -> Any:
         xgr = _xgrammar()
@@ -203,6 +223,7 @@ class GrammarManager:
     def remove(self, uid: int) -> None:
         self.matchers.pop(uid, None)
         self.allowed.pop(uid, None)
+        self.bad_words.pop(uid, None)
         future = self._compiling.pop(uid, None)
         if future is not None:
             future.cancel()
@@ -233,7 +254,8 @@ class GrammarManager:
         sampling = [(i, r) for i, r in enumerate(reqs) if not isinstance(r, ChunkedReq)]
         rows = [(i, m) for i, r in sampling if (m := self._matcher(r.uid)) is not None]
         fixed = [(i, bits) for i, r in sampling if (bits := self.allowed.get(r.uid)) is not None]
-        if not rows and not fixed:
+        banning = [(i, r, b) for i, r in sampling if (b := self.bad_words.get(r.uid)) is not None]
+        if not rows and not fixed and not banning:
             return None
         shape = (len(reqs), (self.vocab_size + 31) // 32)
         mask = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
@@ -243,17 +265,26 @@ class GrammarManager:
             )
         for i, bits in fixed:
             mask[i] &= bits  # with a grammar too: the tokens both allow
+        if banning:
+            self._ban(mask, banning, {i for i, _ in rows} | {i for i, _ in fixed})
         return mask
 
-
-def token_bits(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """The [ceil(V/32)] int32 bitmask row (fill_masks' layout) allowing exactly `token_ids`."""
-    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.int64)
-    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
-    # each word's bits summed: distinct bits of one word add as they would be or-ed
-    words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
-    # as int32 two's complement: bit 31 set is a negative word, as the grammar engine writes it
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    def _ban(self, mask: torch.Tensor, banning: list[tuple[int, Any, BadWords]], narrowed: set[int]) -> None:
+        """Clear each banning row's banned tokens. A row a grammar or allowed_token_ids has narrowed may be left
+        with nothing to sample: that step takes the row as it was (the words' bans step aside for it, as a
+        sampler cannot draw from no token). A row of the whole vocabulary keeps all but a few hundred tokens."""
+        for i, req, banned in banning:
+            row = mask[i]
+            before = row.clone() if i in narrowed else None
+            banned.apply(row, req.input_ids, req.prompt_len)
+            if before is not None:
+                if self._valid is None:
+                    self._valid = token_bits(list(range(self.vocab_size)), self.vocab_size)
+                if not bool((row & self._valid).any()):
+                    logger.warning(
+                        f"request {req.uid}: bad_words ban every token it may sample; not this step"
+                    )
+                    row.copy_(before)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

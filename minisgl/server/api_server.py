@@ -782,8 +782,13 @@ def _reply_error(reply: UserReply, fmt: _Format) -> APIError:
     return APIError(reply.error or "the request failed", param, reply.error_code)
 
 
-# the sampling field at fault for token ids outside the vocabulary, which only the request check knows, by its code
-_VOCAB_PARAMS = {"invalid_logit_bias": "logit_bias", "invalid_allowed_token_ids": "allowed_token_ids"}
+# the sampling field at fault for what only the scheduler's request check knows (the vocabulary, and the words'
+# tokens), by its code
+_VOCAB_PARAMS = {
+    "invalid_logit_bias": "logit_bias",
+    "invalid_allowed_token_ids": "allowed_token_ids",
+    "invalid_bad_words": "bad_words",
+}
 
 # the field at fault for an error only the tokenizer worker finds (it knows the chat template), by its code: for
 # a generation's first reply and a /tokenize reply alike
