@@ -274,6 +274,16 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         "sampling_params.max_new_tokens",
     ),
     "max-tokens-0-without-echo": ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    "logprob-start-without-return-logprob": (
+        "/generate",
+        {"input_ids": [5, 6, 7], "logprob_start_len": 1},
+        "logprob_start_len",
+    ),
+    "logprob-start-negative": (
+        "/generate",
+        {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": -2},
+        "logprob_start_len",
+    ),
     "bad-words-of-spaces": ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["  "]}, "bad_words"),
     "bad-words-a-string": ("/v1/completions", {"prompt": "a", "bad_words": "a"}, "bad_words"),
     # found by the scheduler, which tokenizes the words: nothing allowed is left to sample
@@ -985,3 +995,29 @@ def test_bad_words_never_appear_in_the_output(server: Server, name: str, tokeniz
     body = {"input_ids": [5, 6, 7], "sampling_params": {"bad_words": [word], "max_new_tokens": 12}}
     status, got = post(server, "/generate", {**body, "return_logprob": True})
     assert status == 200 and banned[0] not in [e[1] for e in got["meta_info"]["output_token_logprobs"]], got
+
+
+def test_logprob_start_len_gives_the_prompts_logprobs_from_that_position(
+    server: Server, hf_logprobs: Callable[[list[int]], torch.Tensor]
+) -> None:
+    prompt = [5, 9, 14, 3, 40, 41]
+    body: dict[str, Any] = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2}
+    body["sampling_params"] = {"max_new_tokens": 2, "temperature": 0}
+    metas = {}
+    for start in (-1, 0, 2, 6, 2**63 - 1):
+        status, got = post(server, "/generate", {**body, "logprob_start_len": start})
+        assert status == 200, got
+        metas[start] = got["meta_info"]
+    assert "input_token_logprobs" not in metas[-1] and len(metas[-1]["output_token_logprobs"]) == 2
+    whole = metas[0]["input_token_logprobs"]
+    assert (
+        [e[1] for e in whole] == prompt and whole[0][0] is None and metas[0]["input_top_logprobs"][0] is None
+    )
+    # the entries from position 2 on are the whole list's, and transformers' log-probabilities
+    assert metas[2]["input_token_logprobs"] == whole[2:]
+    assert metas[2]["input_top_logprobs"] == metas[0]["input_top_logprobs"][2:]
+    assert all(len(top) == 2 for top in metas[2]["input_top_logprobs"])
+    ref = hf_logprobs(prompt)
+    for p, (logprob, token, _) in enumerate(metas[2]["input_token_logprobs"], start=2):
+        assert abs(logprob - float(ref[p - 1, token])) < 1e-3
+    assert metas[6]["input_token_logprobs"] == [] and metas[2**63 - 1]["input_token_logprobs"] == []

@@ -689,11 +689,14 @@ class GenerateFormat(_Format):
         prompt_param: str,
         rids: list[str] | None = None,
         texts_in_logprobs: bool = True,
+        input_logprobs_from: int = 0,
     ) -> None:
-        """`rids`: SGLang's rid, one a prompt (None: the uids); `texts_in_logprobs`: return_text_in_logprobs."""
+        """`rids`: SGLang's rid, one a prompt (None: the uids); `texts_in_logprobs`: return_text_in_logprobs;
+        `input_logprobs_from`: logprob_start_len, the first prompt position whose entry is given."""
         super().__init__(model, n, include_usage=False)
         self.batch, self.prompt_param = batch, prompt_param
         self.rids, self.texts_in_logprobs = rids, texts_in_logprobs
+        self.input_logprobs_from = input_logprobs_from
         self.uids: list[int] = []
         self.arrival = 0.0
 
@@ -748,10 +751,12 @@ class GenerateFormat(_Format):
             meta["output_token_logprobs"] = [self._entry(t) for t in c.logprobs]
             meta["output_top_logprobs"] = [[self._entry(x) for x in t.top] for t in c.logprobs]
         if c.prompt_logprobs is not None:
-            # SGLang's names; the first prompt token's log-probability is None
-            meta["input_token_logprobs"] = [self._entry(t) for t in c.prompt_logprobs]
+            # SGLang's names; the first prompt token's log-probability is None; from logprob_start_len on (a start
+            # at or past the prompt's end gives none)
+            given = c.prompt_logprobs[self.input_logprobs_from :]
+            meta["input_token_logprobs"] = [self._entry(t) for t in given]
             meta["input_top_logprobs"] = [
-                None if t.logprob is None else [self._entry(x) for x in t.top] for t in c.prompt_logprobs
+                None if t.logprob is None else [self._entry(x) for x in t.top] for t in given
             ]
         out = {"text": c.text, "meta_info": meta}
         if self.batch:
@@ -1183,6 +1188,7 @@ def create_app(
             "text" if req.text is not None else "input_ids",
             req.request_ids(len(prompts)),
             req.return_text_in_logprobs is not False,
+            req.input_logprobs_from or 0,
         )
         return msgs, fmt, bool(req.stream)
 

@@ -787,6 +787,8 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
     # SGLang's: the logprobs' token texts (the third entry of each), or None there
     return_text_in_logprobs: bool | None = None
+    # SGLang's: with return_logprob, the prompt position the prompt's log-probabilities start at (-1: none)
+    logprob_start_len: int | None = None
 
     @field_validator("input_ids")
     @classmethod
@@ -831,12 +833,38 @@ class GenerateRequest(_Strict):
                 raise APIError(str(e).replace("request_id", "rid", 1), "rid", "invalid_value") from e
         return rids
 
+    @property
+    def input_logprobs_from(self) -> int | None:
+        """SGLang's logprob_start_len checked: the prompt position the prompt's log-probabilities start at, or None
+        for none (-1 or left out). It is a part of return_logprob's answer, so without it a start is refused."""
+        start = self.logprob_start_len
+        if start is None or start == -1:
+            return None
+        if not 0 <= start <= INT64_MAX:
+            raise APIError(
+                f"logprob_start_len={_short(start)} is invalid: it must be -1 (no prompt log-probabilities) or a "
+                "prompt position >= 0",
+                "logprob_start_len",
+                "invalid_value",
+            )
+        if not self.return_logprob:
+            raise APIError(
+                "logprob_start_len starts the prompt's log-probabilities that return_logprob: true returns; send "
+                "return_logprob: true, or leave logprob_start_len out",
+                "logprob_start_len",
+                "invalid_value",
+            )
+        return start
+
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
         values = _wire_values(sp, _SGLANG_NAMES, "sampling_params.")
         if values["max_tokens"] is None:
             values["max_tokens"] = 128  # SGLang's default
         values["logprobs"] = (self.top_logprobs_num or 0) if self.return_logprob else None
+        if self.input_logprobs_from is not None:
+            # the prompt's entries are computed whole and cut at the start (GenerateFormat)
+            values["prompt_logprobs"] = max(values["prompt_logprobs"] or 0, self.top_logprobs_num or 0)
         names = {**_SGLANG_NAMES, "logprobs": "top_logprobs_num"}
         try:
             return checked_params(values, names, "sampling_params.")
