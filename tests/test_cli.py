@@ -166,8 +166,22 @@ def test_a_mistyped_command_names_the_commands() -> None:
         (["generate", "--logit-bias", "42", "hi"], "ID=VALUE"),
         (["generate", "--logit-bias", "42=101", "hi"], "logit_bias"),
         (["generate", "--max-tokens", "2", "--min-tokens", "3", "hi"], "min_tokens"),
+        (["generate", "--chat-template", "{{ messages }}", "hi"], "add --chat"),
+        (["generate", "--chat", "--chat-template", "chatml", "hi"], "neither a file nor a Jinja template"),
+        (["--chat-template", "{% if %}"], "does not parse"),
     ],
-    ids=["serve", "generate", "sampling", "type", "logit-bias-form", "logit-bias-range", "min-tokens"],
+    ids=[
+        "serve",
+        "generate",
+        "sampling",
+        "type",
+        "logit-bias-form",
+        "logit-bias-range",
+        "min-tokens",
+        "template-without-chat",
+        "template-name",
+        "template-syntax",
+    ],
 )
 def test_a_bad_option_is_one_line_and_exit_code_2(args: list[str], says: str) -> None:
     out = minisgl(*args)

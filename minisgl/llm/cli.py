@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from minisgl.params import SamplingParams
 from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, ArgumentParser, CommandError, debug_enabled
-from minisgl.utils.hf import find_model
+from minisgl.utils.hf import find_model, read_chat_template
 from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
 
@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap each prompt as a user message in the model's chat template (default: off)",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="with --chat, this chat template instead of the model's: a Jinja file's path, or the template's text "
+        "(default: the model's)",
+    )
+    p.add_argument(
         "-q",
         "--quiet",
         action="store_true",
@@ -171,6 +177,13 @@ def main(argv: list[str]) -> int:
         params.validate()
     except ValueError as e:
         parser.error(str(e))
+    if args.chat_template is not None:
+        if not args.chat:
+            parser.error("--chat-template is the template of --chat; add --chat, or leave it out")
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(f"--chat-template: {e}")
     if not debug_enabled():
         # a refused prompt is reported with the outputs; the scheduler's warning would say it a second time
         logging.getLogger("minisgl.scheduler").setLevel(logging.ERROR)
@@ -188,6 +201,7 @@ def main(argv: list[str]) -> int:
         page_size=args.page_size,
         max_seq_len_override=args.max_seq_len,
         tp_size=args.tp_size,
+        chat_template=args.chat_template,
     )
     try:
         return _generate(llm, args, prompts, params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine.config import EngineConfig
+from minisgl.utils.hf import read_chat_template
 
 
 @dataclass
@@ -20,6 +21,9 @@ class SchedulerConfig(EngineConfig):
     # preempted: a priority orders the queue only. Off: first come first served, and a request's priority unused
     priority_scheduling: bool = False
     low_priority_values_first: bool = False
+    # the chat template (a Jinja text, or a file's path) used instead of the tokenizer's: vLLM's and SGLang's
+    # --chat-template. None: the tokenizer's own
+    chat_template: str | None = None
     offline_mode: bool = False
     zmq_backend_addr: str = ""  # where rank 0 receives requests (online mode)
     zmq_detokenizer_addr: str = ""  # where rank 0 sends DetokenizeMsg replies (online mode)
@@ -27,6 +31,8 @@ class SchedulerConfig(EngineConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.low_priority_values_first and not self.priority_scheduling:
             raise ValueError("low_priority_values_first orders priority scheduling, which is off; turn it on")
         if self.cache_type not in ("radix", "naive"):

@@ -74,7 +74,7 @@ class Scheduler(SchedulerIOMixin):
             self.engine.num_pages,
             config.page_size,
         )
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.tokenizer = load_tokenizer(self.engine.model_dir, config.chat_template)
         self.eos_token_ids = set(eos_token_ids(self.engine.model_dir, self.engine.hf_config, self.tokenizer))
         self._eos_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarManager(

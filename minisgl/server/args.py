@@ -13,6 +13,7 @@ from minisgl.tokenizer.reasoning import ALIASES as REASONING_ALIASES
 from minisgl.tokenizer.reasoning import FORMATS as REASONING_FORMATS
 from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser
+from minisgl.utils.hf import read_chat_template
 from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
 
@@ -51,6 +52,9 @@ class ServerArgs:
     trace: str | None = None
     tool_call_parser: str | None = None  # None: told by the model's chat template and architecture
     reasoning_parser: str | None = None  # a thinking model's reasoning in its own field; None: in the content
+    chat_template: str | None = (
+        None  # the chat template's text (read from --chat-template's file); None: the model's
+    )
     # the prefill queue by request priority (SchedulerConfig.priority_scheduling), by SGLang's flags or vLLM's
     # --scheduling-policy priority (lower values first)
     enable_priority_scheduling: bool = False
@@ -108,6 +112,7 @@ class ServerArgs:
             "kv_cache_dtype": self.kv_cache_dtype,
             "priority_scheduling": self.priority_scheduling,
             "low_priority_values_first": self.low_priority_values_first,
+            "chat_template": self.chat_template,
         }
         if self.dist_init_addr is not None:
             options["distributed_addr"] = f"tcp://{self.dist_init_addr}"
@@ -268,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer a thinking model's <think> text in reasoning_content, apart from the content (default: "
         "off, the reasoning stays in the content)",
     )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="the chat template for chat requests instead of the model's: a Jinja file's path, or the template's "
+        "text (default: the model's)",
+    )
     queue = p.add_argument_group(
         "priority scheduling", "requests wait for prefill in order of their `priority`"
     )
@@ -358,6 +369,11 @@ def parse_args(argv: list[str]) -> ServerArgs:
             "--scheduling-policy priority puts lower values first, --enable-priority-scheduling alone higher "
             "ones; pick one (or add --schedule-low-priority-values-first)"
         )
+    if ns.chat_template is not None:
+        try:
+            ns.chat_template = read_chat_template(ns.chat_template)
+        except ValueError as e:
+            parser.error(f"--chat-template: {e}")
     if ns.api_key is not None and not ns.api_key.strip():
         parser.error("--api-key is empty; pass a key, or leave the option out to serve without one")
     names = {f.name for f in fields(ServerArgs)}

@@ -96,7 +96,7 @@ def _scheduler_main(config: SchedulerConfig, conn: Connection) -> None:
         exit_now(0)
 
 
-def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
+def _tokenizer_main(addrs: WorkerAddrs, conn: Connection, chat_template: str | None) -> None:
     init_child_process()
     try:
         import transformers  # noqa: F401  (imported while the scheduler loads: the slow part overlaps)
@@ -107,7 +107,7 @@ def _tokenizer_main(addrs: WorkerAddrs, conn: Connection) -> None:
 
         # the scheduler resolves the model (a GGUF file is converted once) and knows its context length
         info: ModelInfo = conn.recv()
-        tokenizer = load_tokenizer(info.model_dir)
+        tokenizer = load_tokenizer(info.model_dir, chat_template)
         worker = TokenizerWorker(tokenizer, info.limits, addrs)
         tools = detect_tool_support(tokenizer, info.model_dir)
     except (EOFError, SystemExit):
@@ -184,7 +184,12 @@ class ServerProcesses:
             ctx.Process(
                 target=_scheduler_main, args=(self.config, sched_child), name="scheduler", daemon=True
             ),
-            ctx.Process(target=_tokenizer_main, args=(self.addrs, tok_child), name="tokenizer", daemon=True),
+            ctx.Process(
+                target=_tokenizer_main,
+                args=(self.addrs, tok_child, self.config.chat_template),
+                name="tokenizer",
+                daemon=True,
+            ),
         ]
         for p in self.procs:
             p.start()

@@ -61,10 +61,43 @@ def load_hf_config(model_dir: str) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def load_tokenizer(model_dir: str) -> Any:
+def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Any:
+    """The model's tokenizer; `chat_template` (a Jinja text, read_chat_template's) replaces its chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as vLLM's and SGLang's --chat-template take it: a file's path (its text), or the
+    Jinja text itself. Anything else is a ValueError that says what to pass."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"the chat template file {value!r} cannot be read as UTF-8 text: {e}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(
+            f"the chat template {value!r} is neither a file nor a Jinja template; pass the path of a .jinja file "
+            "or the template's text"
+        )
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment().parse(text)  # a syntax error now, not at the first chat request
+    except ImportError:
+        pass
+    except Exception as e:
+        raise ValueError(f"the chat template does not parse as Jinja: {e}") from None
+    if "messages" not in text:
+        raise ValueError("the chat template never reads `messages`, so every conversation would be dropped")
+    return text
 
 
 def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
