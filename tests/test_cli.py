@@ -354,3 +354,45 @@ def test_served_model_names_request_log_lines_and_ctrl_c(model_dir: str) -> None
     assert code == 130
     assert re.search(r"INFO minisgl\.server\.launch\] shutting down", s.log)
     assert "Traceback" not in s.log
+
+
+def test_sglangs_and_vllms_option_names_set_the_same_options() -> None:
+    from minisgl.llm.cli import build_parser
+    from minisgl.server.args import parse_args
+
+    ours = [
+        "--max-seq-len",
+        "1024",
+        "--max-running-req",
+        "8",
+        "--max-extend-tokens",
+        "512",
+        "--page-size",
+        "16",
+    ]
+    sglang = ["--context-length", "1024", "--max-running-requests", "8", "--chunked-prefill-size", "512"]
+    vllm = [
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        "--block-size",
+        "16",
+    ]
+    want = parse_args([*ours, "--cache-type", "naive", "--cuda-graph-max-bs", "0"])
+    for theirs in (
+        [*sglang, "--page-size", "16", "--disable-radix-cache", "--disable-cuda-graph"],
+        [*vllm, "--no-enable-prefix-caching", "--enforce-eager"],
+    ):
+        assert parse_args(theirs) == want, theirs
+    generate = build_parser().parse_args(
+        ["--max-model-len", "100", "--disable-radix-cache", "--max-num-seqs", "3", "x"]
+    )
+    assert (generate.max_seq_len, generate.cache_type, generate.max_running_req) == (100, "naive", 3)
+
+
+def test_graphs_both_off_and_sized_is_one_line_and_exit_code_2() -> None:
+    out = minisgl("--enforce-eager", "--cuda-graph-max-bs", "8")
+    assert out.returncode == 2 and "pick one" in one_line_error(out)

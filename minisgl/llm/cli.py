@@ -142,8 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: the model's dtype (default: %(default)s)",
     )
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
+    # SGLang's and vLLM's names too, as the server takes them
     engine.add_argument(
-        "--max-running-req", type=int, default=256, help="requests decoded at once (default: %(default)s)"
+        "--max-running-req",
+        "--max-running-requests",
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="requests decoded at once (default: %(default)s)",
     )
     engine.add_argument(
         "--cache-type",
@@ -151,8 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["radix", "naive"],
         help="prefix cache; naive: none (default: %(default)s)",
     )
-    engine.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
-    engine.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    engine.add_argument(
+        "--disable-radix-cache",
+        "--no-enable-prefix-caching",
+        dest="cache_type",
+        action="store_const",
+        const="naive",
+        help="no prefix cache: --cache-type naive (default: off)",
+    )
+    engine.add_argument(
+        "--page-size", "--block-size", type=int, default=1, help="tokens per KV page (default: %(default)s)"
+    )
+    engine.add_argument(
+        "--max-seq-len",
+        "--context-length",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's)",
+    )
     engine.add_argument(
         "--tp-size",
         "--tp",

@@ -211,16 +211,41 @@ def build_parser() -> argparse.ArgumentParser:
         "read from the checkpoint's k_scale/v_scale or 1.0; half the memory of bf16, for GPUs) "
         "(default: auto: the model's dtype)",
     )
-    engine.add_argument("--max-running-req", type=_positive, help="requests decoded at once (default: 256)")
-    engine.add_argument("--page-size", type=_positive, help="tokens per KV page (default: 1)")
+    # each option also under SGLang's and vLLM's names, where they mean the same
+    engine.add_argument(
+        "--max-running-req",
+        "--max-running-requests",
+        "--max-num-seqs",
+        type=_positive,
+        help="requests decoded at once (default: 256)",
+    )
+    engine.add_argument("--page-size", "--block-size", type=_positive, help="tokens per KV page (default: 1)")
     engine.add_argument(
         "--cache-type", choices=["radix", "naive"], help="prefix cache; naive: none (default: radix)"
     )
     engine.add_argument(
-        "--max-extend-tokens", type=_positive, help="prompt tokens prefilled per step (default: 8192)"
+        "--disable-radix-cache",
+        "--no-enable-prefix-caching",
+        dest="cache_type",
+        action="store_const",
+        const="naive",
+        help="no prefix cache: --cache-type naive (default: off)",
+    )
+    engine.add_argument(
+        "--max-extend-tokens",
+        "--chunked-prefill-size",
+        "--max-num-batched-tokens",
+        type=_positive,
+        help="prompt tokens prefilled per step; a longer prompt is prefilled in chunks (default: 8192)",
     )
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
-    engine.add_argument("--max-seq-len", type=_positive, help="context length (default: the model's)")
+    engine.add_argument(
+        "--max-seq-len",
+        "--context-length",
+        "--max-model-len",
+        type=_positive,
+        help="context length (default: the model's)",
+    )
     engine.add_argument(
         "--attention-backend",
         help="attention backend: torch, cpu or triton (default: triton on CUDA, cpu on a CPU with a C compiler, else torch)",
@@ -229,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph-max-bs",
         type=_non_negative,
         help="largest batch decoded with a CUDA graph; 0: no graphs (default: 256, or --max-running-req if less)",
+    )
+    engine.add_argument(
+        "--disable-cuda-graph",
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: --cuda-graph-max-bs 0 (default: off)",
     )
     engine.add_argument(
         "--cuda-graph-max-prefill",
@@ -369,6 +400,12 @@ def parse_args(argv: list[str]) -> ServerArgs:
             "--scheduling-policy priority puts lower values first, --enable-priority-scheduling alone higher "
             "ones; pick one (or add --schedule-low-priority-values-first)"
         )
+    if ns.disable_cuda_graph:
+        if ns.cuda_graph_max_bs or ns.cuda_graph_max_prefill:
+            parser.error(
+                "--disable-cuda-graph turns off the graphs --cuda-graph-max-bs/-prefill size; pick one"
+            )
+        ns.cuda_graph_max_bs = 0
     if ns.chat_template is not None:
         try:
             ns.chat_template = read_chat_template(ns.chat_template)
