@@ -16,7 +16,14 @@ from dataclasses import fields
 from typing import Any, get_args, get_origin, get_type_hints
 
 from minisgl.params import SamplingParams
-from minisgl.utils.cli import EXIT_ERROR, EXIT_INTERRUPTED, ArgumentParser, CommandError, debug_enabled
+from minisgl.utils.cli import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    ArgumentParser,
+    CommandError,
+    add_no_prefix_cache,
+    debug_enabled,
+)
 from minisgl.utils.hf import find_model, read_chat_template
 from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
@@ -157,14 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["radix", "naive"],
         help="prefix cache; naive: none (default: %(default)s)",
     )
-    engine.add_argument(
-        "--disable-radix-cache",
-        "--no-enable-prefix-caching",
-        dest="cache_type",
-        action="store_const",
-        const="naive",
-        help="no prefix cache: --cache-type naive (default: off)",
-    )
+    add_no_prefix_cache(engine)
     engine.add_argument(
         "--page-size", "--block-size", type=int, default=1, help="tokens per KV page (default: %(default)s)"
     )

@@ -12,7 +12,7 @@ from minisgl.env import ENV
 from minisgl.tokenizer.reasoning import ALIASES as REASONING_ALIASES
 from minisgl.tokenizer.reasoning import FORMATS as REASONING_FORMATS
 from minisgl.tokenizer.tool_parser import FORMATS
-from minisgl.utils.cli import ArgumentParser
+from minisgl.utils.cli import ArgumentParser, add_no_prefix_cache
 from minisgl.utils.hf import read_chat_template
 from minisgl.utils.kv_cache_dtype import KV_CACHE_DTYPES
 from minisgl.utils.quantization import QUANTIZATIONS
@@ -223,14 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--cache-type", choices=["radix", "naive"], help="prefix cache; naive: none (default: radix)"
     )
-    engine.add_argument(
-        "--disable-radix-cache",
-        "--no-enable-prefix-caching",
-        dest="cache_type",
-        action="store_const",
-        const="naive",
-        help="no prefix cache: --cache-type naive (default: off)",
-    )
+    add_no_prefix_cache(engine)
     engine.add_argument(
         "--max-extend-tokens",
         "--chunked-prefill-size",

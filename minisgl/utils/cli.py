@@ -33,6 +33,18 @@ class CommandError(Exception):
 EXPECTED_ERRORS = (CommandError, OSError, ValueError)
 
 
+def add_no_prefix_cache(group: argparse._ArgumentGroup) -> None:
+    """SGLang's and vLLM's flags for no prefix cache, as `--cache-type naive` (the server's and generate's)."""
+    group.add_argument(
+        "--disable-radix-cache",
+        "--no-enable-prefix-caching",
+        dest="cache_type",
+        action="store_const",
+        const="naive",
+        help="no prefix cache: --cache-type naive (default: off)",
+    )
+
+
 def debug_enabled() -> bool:
     return str(ENV.LOG_LEVEL.value).upper() == "DEBUG"
 
