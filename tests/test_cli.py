@@ -381,10 +381,30 @@ def test_sglangs_and_vllms_option_names_set_the_same_options() -> None:
         "--block-size",
         "16",
     ]
-    want = parse_args([*ours, "--cache-type", "naive", "--cuda-graph-max-bs", "0"])
+    want = parse_args(
+        [*ours, "--cache-type", "naive", "--cuda-graph-max-bs", "0", "--model", "m", "--tp-size", "2"]
+    )
     for theirs in (
-        [*sglang, "--page-size", "16", "--disable-radix-cache", "--disable-cuda-graph"],
-        [*vllm, "--no-enable-prefix-caching", "--enforce-eager"],
+        [
+            *sglang,
+            "--page-size",
+            "16",
+            "--disable-radix-cache",
+            "--disable-cuda-graph",
+            "--model-path",
+            "m",
+            "--tp",
+            "2",
+        ],
+        [
+            *vllm,
+            "--no-enable-prefix-caching",
+            "--enforce-eager",
+            "--model",
+            "m",
+            "--tensor-parallel-size",
+            "2",
+        ],
     ):
         assert parse_args(theirs) == want, theirs
     generate = build_parser().parse_args(

@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        "--model-path",
         default=None,
         help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--tp-size",
         "--tp",
+        "--tensor-parallel-size",
         type=int,
         default=1,
         help="tensor-parallel ranks, one GPU each (default: %(default)s)",

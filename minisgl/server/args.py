@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        "--model-path",
         default=None,
         help="a Hugging Face model folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
@@ -264,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument(
         "--tp-size",
         "--tp",
+        "--tensor-parallel-size",
         type=_positive,
         default=1,
         help="tensor-parallel ranks, one scheduler process and one GPU each (default: %(default)s)",
