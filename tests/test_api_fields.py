@@ -284,6 +284,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
         {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": -2},
         "logprob_start_len",
     ),
+    "request-chat-template": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        "chat_template",
+    ),
     "bad-words-of-spaces": ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["  "]}, "bad_words"),
     "bad-words-a-string": ("/v1/completions", {"prompt": "a", "bad_words": "a"}, "bad_words"),
     # found by the scheduler, which tokenizes the words: nothing allowed is left to sample

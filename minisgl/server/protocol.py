@@ -520,6 +520,19 @@ class ChatCompletionRequest(_OpenAIRequest):
     echo: bool | None = None
     # vLLM's: documents for a RAG template (checked_documents), written by it as client text
     documents: list[dict[str, str]] | None = None
+    # vLLM's: a template from the request (behind its --trust-request-chat-template); refused by check_fields
+    chat_template: str | None = None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.chat_template is not None:
+            raise APIError(
+                "a request's own chat_template is not taken (its Jinja would run on the server); the server's "
+                "template is the model's, or the one it was started with (--chat-template FILE): leave "
+                "chat_template out",
+                "chat_template",
+                "unsupported_parameter",
+            )
 
     @field_validator("messages", mode="before")
     @classmethod
