@@ -74,6 +74,10 @@ class SamplingParams:
     stop: list[str] = _param([], "strings that end the output (not included in it)")
     stop_token_ids: list[int] = _param([], "token ids that end the output (not included in it)")
     min_tokens: int = _param(0, "generate at least this many tokens: EOS, stop ids and stop strings wait")
+    include_stop_str_in_output: bool = _param(
+        False,
+        "keep the stop string or stop token that ended the output in its text (vLLM's; SGLang's no_stop_trim)",
+    )
     logit_bias: dict[int, float] = _param({}, "token id -> bias in [-100, 100] added to its logit")
     presence_penalty: float = _param(0.0, "subtracted once from the logit of every generated token")
     frequency_penalty: float = _param(0.0, "subtracted per occurrence from the logit of generated tokens")
@@ -165,6 +169,8 @@ class SamplingParams:
             )
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "it must be true or false")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "it must be true or false")
         if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "it must be an integer in [0, 20], or None to turn it off")
         if self.prompt_logprobs is not None and not is_int(self.prompt_logprobs, 0, 20):

@@ -1026,3 +1026,43 @@ def test_logprob_start_len_gives_the_prompts_logprobs_from_that_position(
     for p, (logprob, token, _) in enumerate(metas[2]["input_token_logprobs"], start=2):
         assert abs(logprob - float(ref[p - 1, token])) < 1e-3
     assert metas[6]["input_token_logprobs"] == [] and metas[2**63 - 1]["input_token_logprobs"] == []
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_output(server: Server, name: str) -> None:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "return_token_ids": True})
+    text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
+    stop = text[2:4]
+    kept = client.completions.create(
+        **kwargs, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
+    cut = text.find(stop)
+    assert kept.choices[0].text == text[: cut + len(stop)] and kept.choices[0].finish_reason == "stop"
+    # a stop token: in the text and the token ids (vLLM's), and SGLang's no_stop_trim on /generate the same
+    by_id = client.completions.create(
+        **kwargs,
+        extra_body={
+            "ignore_eos": True,
+            "stop_token_ids": [ids[2]],
+            "include_stop_str_in_output": True,
+            "return_token_ids": True,
+        },
+    )
+    assert by_id.choices[0].model_extra["token_ids"] == ids[:3]
+    status, gen = post(
+        server,
+        "/generate",
+        {
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "stop": [stop],
+                "ignore_eos": True,
+                "no_stop_trim": True,
+            },
+        },
+    )
+    assert status == 200 and gen["text"] == kept.choices[0].text, gen
+    status, got = post(server, "/v1/completions", {"prompt": "a", "include_stop_str_in_output": "yes"})
+    assert status == 400 and got["error"]["param"] == "include_stop_str_in_output"

@@ -18,9 +18,11 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
 
 
-def stream(tokenizer: Any, ids: list[int], stop: list[str] | None = None) -> tuple[list[str], str]:
+def stream(
+    tokenizer: Any, ids: list[int], stop: list[str] | None = None, keep_stop: bool = False
+) -> tuple[list[str], str]:
     """(the pieces shown while tokens arrive, what finish() adds at the end)."""
-    detok = IncrementalDetokenizer(tokenizer, stop)
+    detok = IncrementalDetokenizer(tokenizer, stop, keep_stop=keep_stop)
     return [detok.add(t) for t in ids], detok.finish()
 
 
@@ -70,6 +72,39 @@ def test_stop_string_is_cut_and_nothing_after_it_is_shown(tokenizer: Any) -> Non
     shown += detok.finish()
     assert shown == "The capital of France is "
     assert detok.stopped
+
+
+def test_a_kept_stop_string_ends_the_text_and_a_kept_stop_token_is_output(tokenizer: Any) -> None:
+    """vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the text runs to the stop string's end, nothing after;
+    a stop token the scheduler ended the output with is an output token whose text is shown."""
+    ids = tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome.")
+    detok = IncrementalDetokenizer(tokenizer, ["Paris."], keep_stop=True)
+    shown = ""
+    for t in ids:
+        shown += detok.add(t)
+        if detok.stopped:
+            break
+    assert shown + detok.finish() == "The capital of France is Paris." and detok.matched == "Paris."
+    # the same, streamed over every split of the string by tokens
+    for seed in range(5):
+        rng = random.Random(seed)
+        cut = [rng.randrange(len(tokenizer)) for _ in range(6)] + ids
+        full = tokenizer.decode(cut)
+        pieces, tail = stream(tokenizer, cut, ["is", "Rome"], keep_stop=True)
+        first = min(full.find(s) + len(s) for s in ("is", "Rome") if full.find(s) >= 0)
+        assert "".join(pieces) + tail == full[:first]
+    stop_token = tokenizer.encode("Paris")[0]
+    detok = IncrementalDetokenizer(tokenizer, keep_stop=True)
+    head = tokenizer.encode("The capital of France is")
+    steps = [detok.step(DetokenizeMsg(0, t, False)) for t in head]
+    last = detok.step(DetokenizeMsg(0, stop_token, True, "stop"))
+    assert last.output_token == stop_token
+    assert "".join(x.text for x in steps) + last.text == tokenizer.decode([*head, stop_token])
+    assert tokenizer.decode([stop_token]).strip()  # the stop token has text to show
+    plain = IncrementalDetokenizer(tokenizer)
+    for t in head:
+        plain.step(DetokenizeMsg(0, t, False))
+    assert plain.step(DetokenizeMsg(0, stop_token, True, "stop")).output_token is None
 
 
 def test_text_that_may_start_a_stop_string_is_held_until_known(tokenizer: Any) -> None:

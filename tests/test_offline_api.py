@@ -7,6 +7,7 @@ import runpy
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -208,6 +209,10 @@ def test_stop_token_ids_end_a_request_without_appearing_in_it(
     ends = [_first_stop(r, {t, 1}) for r, t in zip(ref, stop_ids)]
     assert [o["token_ids"] for o in out] == [r[:end] for r, end in zip(ref, ends)]
     assert all(o["finish_reason"] == "stop" for o in out)
+    # include_stop_str_in_output: the stop token stays, in the ids and the text
+    kept = llm.generate(ID_PROMPTS, [replace(p, include_stop_str_in_output=True) for p in params])
+    assert [o["token_ids"] for o in kept] == [r[: end + 1] for r, end in zip(ref, ends)]
+    assert [o["text"] for o in kept] == [llm.tokenizer.decode(o["token_ids"]) for o in kept]
     assert_nothing_held(llm)
 
 
@@ -251,6 +256,17 @@ def test_stop_strings_end_a_request_and_are_cut_from_the_text(
         text = decode(ref[i][:end])
         assert o["text"] == text[: text.index(stop)]
         assert stop not in o["text"]
+    kept = llm.generate(
+        prompts,
+        [
+            SamplingParams(
+                max_tokens=16, ignore_eos=True, stop=["never-said", s], include_stop_str_in_output=True
+            )
+            for _, s in picks
+        ],
+    )
+    for (_, stop), o, cut in zip(picks, kept, out):
+        assert o["text"] == cut["text"] + stop and o["token_ids"] == cut["token_ids"]
     assert_nothing_held(llm)
 
 

@@ -263,6 +263,7 @@ class LLM(Scheduler):
                 streaming=False,
                 min_tokens=sp.min_tokens,
                 skip_special_tokens=sp.skip_special_tokens,
+                keep_stop=sp.include_stop_str_in_output,
             )
             self.status_map[uid] = RequestStatus(
                 uid, input_ids, detokenizer, logprobs=[] if sp.logprobs is not None else None

@@ -195,7 +195,12 @@ NO_OP_FIELDS = {
 # /generate sampling_params, where it differs. The request models below are built from SamplingParams'
 # fields, so a new sampling field reaches every endpoint (logprobs is asked differently by each API).
 _OPENAI_NAMES = {"max_tokens": "max_tokens"}
-_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+}
 # JSON object keys are strings: logit_bias's token ids arrive as "42"
 _WIRE_TYPES: dict[str, Any] = {"stop": str | list[str], "logit_bias": dict[str, float]}
 

@@ -5,7 +5,7 @@ character (it decodes to U+FFFD until the next token completes it), and some tok
 or add a leading space depending on what comes before. So each step decodes a short window
 that starts one token back (the `prefix_offset`/`read_offset` pair, as in vLLM and TGI) and
 keeps the new text back while it ends in U+FFFD. Stop strings are cut out of the text, as
-OpenAI does; text that might be the start of one is held until it is known either way. Before
+OpenAI does (or kept, with vLLM's include_stop_str_in_output, and nothing after them); text that might be the start of one is held until it is known either way. Before
 `min_tokens` tokens, stop strings are not looked for (vLLM's rule) and the text goes out at once: it is
 never searched, so a stop string counts only when it starts after it.
 `finish()` returns whatever is still held, so no text is lost at the end.
@@ -45,8 +45,11 @@ class IncrementalDetokenizer:
         streaming: bool = True,
         min_tokens: int = 0,
         skip_special_tokens: bool = True,
+        keep_stop: bool = False,
     ) -> None:
+        """`keep_stop`: the stop string or stop token that ends the output stays in it (include_stop_str_in_output)."""
         self.tokenizer = tokenizer
+        self.keep_stop = keep_stop
         self.stop = [s for s in stop or [] if s]
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
@@ -83,7 +86,8 @@ class IncrementalDetokenizer:
 
     def _output_token(self, msg: DetokenizeMsg) -> int | None:
         # the scheduler's "stop" means its last token is a stop token: it ends the output, unseen (as in OpenAI)
-        if msg.next_token >= 0 and not (msg.finished and msg.finish_reason == "stop"):
+        # unless it is kept (its text then as skip_special_tokens has it: an EOS is a control token)
+        if msg.next_token >= 0 and (self.keep_stop or not (msg.finished and msg.finish_reason == "stop")):
             return msg.next_token
         return None
 
@@ -112,6 +116,8 @@ class IncrementalDetokenizer:
         if found is not None:
             end, self.matched = found
             self.stopped = True
+            if self.keep_stop:
+                end += len(self.matched)
             self.text = self.text[:end]
         else:
             self.searched = len(self.text)

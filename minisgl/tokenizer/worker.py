@@ -224,6 +224,7 @@ class TokenizerWorker:
                 params.stop,
                 min_tokens=params.min_tokens,
                 skip_special_tokens=params.skip_special_tokens,
+                keep_stop=params.include_stop_str_in_output,
             )
             self.requests[uid] = _Request(detokenizer, len(ids))
             if msg.return_prompt:
