@@ -39,6 +39,9 @@ class CpuPrefillMetadata:
     rows: torch.Tensor  # [B] int64 page-table row of each request
     prefix_lens: torch.Tensor  # [B] int64 tokens already in the pool (cached_len)
     extend_lens: torch.Tensor  # [B] int64 this step's tokens: the request's rows of the packed batch
+    # the batch's last requests that compute one token over a cached context (a mixed step's decode rows), for
+    # the decode kernel, which reads a KV head once for its query heads; the requests above are those before them
+    decode: CpuDecodeMetadata | None = None
 
 
 class CpuAttnBackend(TorchAttnBackend):
@@ -57,9 +60,16 @@ class CpuAttnBackend(TorchAttnBackend):
             meta = int_tensor([r.table_idx for r in reqs] + [r.device_len for r in reqs]).view(2, -1)
             batch.attn_metadata = CpuDecodeMetadata(meta[0], meta[1])
         elif self.prefill_in_c:
-            flat = [r.table_idx for r in reqs] + [r.cached_len for r in reqs] + [r.extend_len for r in reqs]
+            split = len(reqs)
+            while split > 0 and reqs[split - 1].extend_len == 1 and reqs[split - 1].cached_len > 0:
+                split -= 1
+            head, tail = reqs[:split], reqs[split:]
+            flat = [r.table_idx for r in head] + [r.cached_len for r in head] + [r.extend_len for r in head]
             meta = int_tensor(flat).view(3, -1)
             batch.attn_metadata = CpuPrefillMetadata(meta[0], meta[1], meta[2])
+            if tail:
+                dec = int_tensor([r.table_idx for r in tail] + [r.device_len for r in tail]).view(2, -1)
+                batch.attn_metadata.decode = CpuDecodeMetadata(dec[0], dec[1])
         else:
             super().prepare_metadata(batch)
 
@@ -122,17 +132,22 @@ class CpuAttnBackend(TorchAttnBackend):
         kv = self.kv_cache
         if not kv_stored:
             kv.store_kv(k, v, batch.out_loc, layer_id)
-        out = prefill_attention(
-            self.lib,
-            q,
-            kv.k_cache(layer_id),
-            kv.v_cache(layer_id),
-            self.page_table,
-            meta.rows,
-            meta.prefix_lens,
-            meta.extend_lens,
-            self.scale,
-            kv.k_scales[layer_id],
-            kv.v_scales[layer_id],
-        )
+        scales = (self.scale, kv.k_scales[layer_id], kv.v_scales[layer_id])
+        pool = (kv.k_cache(layer_id), kv.v_cache(layer_id), self.page_table)
+        # the decode rows are the packed batch's last tokens, one a request
+        num_decode = 0 if meta.decode is None else meta.decode.rows.shape[0]
+        parts: list[torch.Tensor] = []
+        if meta.rows.shape[0]:
+            head = q[: q.shape[0] - num_decode]
+            parts.append(
+                prefill_attention(
+                    self.lib, head, *pool, meta.rows, meta.prefix_lens, meta.extend_lens, *scales
+                )
+            )
+        if meta.decode is not None:
+            tail = q[q.shape[0] - num_decode :]
+            parts.append(
+                decode_attention(self.lib, tail, *pool, meta.decode.rows, meta.decode.seq_lens, *scales)
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat([p.to(q.dtype) for p in parts])
         return out.to(q.dtype)

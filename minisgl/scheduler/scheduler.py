@@ -141,8 +141,10 @@ class Scheduler(SchedulerIOMixin):
     def _schedule_next_batch(self) -> ForwardInput | None:
         TRACE.step_begin()
         # prefill first: prefill whenever anything is waiting and fits, decode otherwise
+        batch = self._mixed_batch() if self.config.enable_mixed_chunk else None
         batch = (
-            self.prefill_manager.schedule_next_batch(self.prefill_budget)
+            batch
+            or self.prefill_manager.schedule_next_batch(self.prefill_budget)
             or self.decode_manager.schedule_next_batch()
         )
         forward_input = None
@@ -159,6 +161,18 @@ class Scheduler(SchedulerIOMixin):
         for observe in self.step_observers:
             observe(batch)
         return forward_input
+
+    def _mixed_batch(self) -> Batch | None:
+        """A prefill step that also decodes every running request (its last token an extend of one, over the
+        KV it has), its budget less those tokens; None where nothing waits, nothing runs, or the running requests
+        alone would take the budget (the step is then a plain prefill or decode)."""
+        running = self.decode_manager.running_reqs
+        if not (self.prefill_manager.runnable and running) or len(running) >= self.prefill_budget:
+            return None
+        prefill = self.prefill_manager.schedule_next_batch(self.prefill_budget - len(running))
+        if prefill is None:
+            return None
+        return Batch(reqs=prefill.reqs + list(running), phase="prefill")
 
     def _launch(self, forward_input: ForwardInput, last_data: ForwardData | None) -> ForwardData:
         """Launch step k+1 (`forward_input`) on the device and handle step k's results (`last_data`).
@@ -302,6 +316,8 @@ class Scheduler(SchedulerIOMixin):
         """The message of row i's token (appended already): its logprobs, a prefill's prompt counts, its finish;
         a finished request's resources are freed, a prefilled one's prompt handed to the prefix cache."""
         uid, params = req.uid, req.sampling_params
+        # a prompt's first token; a mixed step's decode rows (SchedulerConfig.enable_mixed_chunk) are not
+        is_prefill = is_prefill and len(req.input_ids) == req.prompt_len + 1
         msg = DetokenizeMsg(uid=uid, next_token=token, finished=False)
         k = params.logprobs
         if logprobs is not None and k is not None:

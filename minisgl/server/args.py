@@ -59,6 +59,7 @@ class ServerArgs:
     # --scheduling-policy priority (lower values first)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
+    enable_mixed_chunk: bool = False  # SchedulerConfig.enable_mixed_chunk
     scheduling_policy: str = "fcfs"
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
@@ -113,6 +114,7 @@ class ServerArgs:
             "priority_scheduling": self.priority_scheduling,
             "low_priority_values_first": self.low_priority_values_first,
             "chat_template": self.chat_template,
+            "enable_mixed_chunk": self.enable_mixed_chunk,
         }
         if self.dist_init_addr is not None:
             options["distributed_addr"] = f"tcp://{self.dist_init_addr}"
@@ -231,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=_positive,
         help="prompt tokens prefilled per step; a longer prompt is prefilled in chunks (default: 8192)",
+    )
+    engine.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="a prefill step also decodes the running requests, a token each, so their streams go on while "
+        "prompts are computed (SGLang's) (default: off: a step prefills or decodes)",
     )
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
     engine.add_argument(

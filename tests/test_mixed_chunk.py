@@ -1,0 +1,119 @@
+"""Mixed steps (SchedulerConfig.enable_mixed_chunk, SGLang's --enable-mixed-chunk): a prefill step also decodes the
+running requests, a token each. The tokens are those of steps that only prefill or only decode: greedy ones equal
+transformers', sampled ones (seeded), log-probabilities and prompt log-probabilities equal the plain schedule's, in
+the plain and the overlap loop, at page sizes 1 and 4; and mixed steps do happen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tiny import assert_nothing_held, overlap_loop_llm, random_prompts
+
+from minisgl.core import Batch, SamplingParams, set_global_ctx
+from minisgl.env import ENV
+from minisgl.llm import LLM
+from minisgl.server.args import parse_args
+
+PROMPTS = random_prompts(10, seed=3, min_len=5, max_len=60)
+# few rows and a small prefill budget: prompts wait and are cut into chunks while others decode
+ENGINE = dict(max_running_req=4, max_extend_tokens=32, cache_type="naive")
+
+
+def params(i: int, n: int = 12) -> SamplingParams:
+    """Greedy and seeded sampled requests in turn, of different lengths; some with logprobs."""
+    kind: dict[str, Any] = {"temperature": 0.0} if i % 2 else {"temperature": 1.0, "seed": i, "top_p": 0.9}
+    return SamplingParams(max_tokens=n + i, ignore_eos=True, logprobs=2 if i % 3 == 0 else None, **kind)
+
+
+def mixed_steps(llm: LLM) -> list[int]:
+    """Watch `llm`'s steps: each step's count of decode rows inside a prefill step is appended to the list."""
+    seen: list[int] = []
+
+    def observe(batch: Batch | None) -> None:
+        if batch is not None and batch.is_prefill:
+            decoding = sum(r.cached_len >= r.prompt_len for r in batch.reqs)
+            seen.append(decoding)
+            # the CPU backend runs them with its decode kernel, the prompts' rows before them with its prefill one
+            decode = getattr(batch.attn_metadata, "decode", None)
+            assert (0 if decode is None else decode.rows.shape[0]) == decoding
+
+    llm.step_observers.append(observe)
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _plain_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
+
+
+def outputs(llm: LLM, requests: list[SamplingParams]) -> list[tuple[Any, ...]]:
+    out = llm.generate(PROMPTS, requests)
+    assert_nothing_held(llm)
+    return [(o["token_ids"], o.get("logprobs"), o.get("prompt_logprobs"), o["finish_reason"]) for o in out]
+
+
+def test_greedy_tokens_in_mixed_steps_are_transformers(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], hf_reference: Any
+) -> None:
+    path = tiny_model("llama")
+    llm = make_llm(path, enable_mixed_chunk=True, **ENGINE)
+    seen = mixed_steps(llm)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = llm.generate(PROMPTS, greedy)
+    assert [o["token_ids"] for o in out] == hf_reference(path, PROMPTS, 12)
+    assert sum(n > 0 for n in seen) >= 3, seen  # prefill steps that decoded running requests
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mixed_steps_give_the_plain_schedules_tokens_and_logprobs(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], page_size: int
+) -> None:
+    path = tiny_model("qwen3")
+    requests = [params(i) for i in range(len(PROMPTS))]
+    # a request that asks for its prompt's log-probabilities decodes in mixed steps after its prefill
+    requests[4] = SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    plain = outputs(make_llm(path, page_size=page_size, **ENGINE), requests)
+    llm = make_llm(path, page_size=page_size, enable_mixed_chunk=True, **ENGINE)
+    seen = mixed_steps(llm)
+    mixed = outputs(llm, requests)
+    for m, p in zip(mixed, plain):
+        assert (m[0], m[3]) == (p[0], p[3])  # the tokens and the finish
+        assert (m[1] is None) == (p[1] is None)
+        for got, want in zip(m[1] or [], p[1] or []):
+            assert got == pytest.approx(want, abs=1e-4)
+    assert mixed[4][2] is not None and len(mixed[4][2]) == len(PROMPTS[4])
+    for got, want in zip(mixed[4][2], plain[4][2]):
+        assert got == want if got is None else got == pytest.approx(want, abs=1e-4)
+    assert sum(n > 0 for n in seen) >= 3, seen
+
+
+def test_the_overlap_loop_with_mixed_steps_gives_the_plain_loops_tokens(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_model("llama")
+    requests = [params(i) for i in range(len(PROMPTS))]
+    plain = make_llm(path, **ENGINE)
+    want = [o["token_ids"] for o in plain.generate(PROMPTS, requests)]
+    monkeypatch.setattr(ENV.DEBUG_CHECK_INTEGRITY, "value", True)
+    llm = overlap_loop_llm(path, enable_mixed_chunk=True, dtype=torch.float32, **ENGINE)
+    try:
+        seen = mixed_steps(llm)
+        # some requests end on an EOS while the next step (mixed) is already built: their rows there are dropped
+        eos_too = [*requests[:5], *(SamplingParams(max_tokens=30, temperature=1.0, seed=i) for i in range(5))]
+        assert [o["token_ids"] for o in llm.generate(PROMPTS, requests)] == want
+        stopped = llm.generate(PROMPTS, eos_too)
+        assert [o["token_ids"] for o in stopped[:5]] == want[:5]
+        assert_nothing_held(llm)
+        assert sum(n > 0 for n in seen) >= 3, seen
+    finally:
+        llm.shutdown()
+        set_global_ctx(plain.engine.ctx)
+
+
+def test_the_server_flag_turns_mixed_steps_on() -> None:
+    assert not parse_args([]).scheduler_config("a", "b").enable_mixed_chunk
+    assert parse_args(["--enable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk
