@@ -407,6 +407,11 @@ def test_sglangs_and_vllms_option_names_set_the_same_options() -> None:
         ],
     ):
         assert parse_args(theirs) == want, theirs
+    tools = [
+        parse_args(["--tool-call-parser", name]).tool_call_parser
+        for name in ("hermes", "qwen25", "llama3_json")
+    ]
+    assert tools == ["qwen", "qwen", "llama3"]
     generate = build_parser().parse_args(
         ["--max-model-len", "100", "--disable-radix-cache", "--max-num-seqs", "3", "x"]
     )

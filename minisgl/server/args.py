@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from minisgl.env import ENV
 from minisgl.tokenizer.reasoning import ALIASES as REASONING_ALIASES
 from minisgl.tokenizer.reasoning import FORMATS as REASONING_FORMATS
+from minisgl.tokenizer.tool_parser import ALIASES as TOOL_ALIASES
 from minisgl.tokenizer.tool_parser import FORMATS
 from minisgl.utils.cli import ArgumentParser, add_no_prefix_cache
 from minisgl.utils.hf import read_chat_template
@@ -298,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=sorted(FORMATS),
-        help="the format the model writes tool calls in (default: told by its chat template and architecture)",
+        choices=sorted([*FORMATS, *TOOL_ALIASES]),
+        help="the format the model writes tool calls in: qwen (vLLM's hermes, SGLang's qwen25), llama3 (vLLM's "
+        "llama3_json) or mistral (default: told by its chat template and architecture)",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -409,6 +411,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
                 "--disable-cuda-graph turns off the graphs --cuda-graph-max-bs/-prefill size; pick one"
             )
         ns.cuda_graph_max_bs = 0
+    if ns.tool_call_parser is not None:
+        ns.tool_call_parser = TOOL_ALIASES.get(ns.tool_call_parser, ns.tool_call_parser)
     if ns.chat_template is not None:
         try:
             ns.chat_template = read_chat_template(ns.chat_template)

@@ -62,6 +62,8 @@ FORMATS = {
         "mistral", ("[TOOL_CALLS]",), at_start=True, lead="[TOOL_CALLS]", open="[", close="]", separator=", "
     ),
 }
+# vLLM's and SGLang's names for the same formats (--tool-call-parser takes them too)
+ALIASES = {"hermes": "qwen", "qwen25": "qwen", "llama3_json": "llama3"}
 
 
 def default_parser(chat_template: str | None, model_type: str | None) -> str:
