@@ -13,6 +13,7 @@ import torch
 from tiny import assert_nothing_held, overlap_loop_llm, random_prompts
 
 from minisgl.attention.cpu_backend import CpuPrefillMetadata
+from minisgl.attention.triton_backend import TritonAttnMetadata
 from minisgl.core import Batch, SamplingParams, set_global_ctx
 from minisgl.env import ENV
 from minisgl.llm import LLM
@@ -38,9 +39,12 @@ def mixed_steps(llm: LLM) -> list[int]:
             decoding = sum(r.cached_len >= r.prompt_len for r in batch.reqs)
             seen.append(decoding)
             # the CPU backend runs them with its decode kernel, the prompts' rows before them with its prefill one
-            if isinstance(batch.attn_metadata, CpuPrefillMetadata):
-                decode = batch.attn_metadata.decode
-                assert (0 if decode is None else decode.rows.shape[0]) == decoding
+            meta = batch.attn_metadata
+            # the CUDA path's backend as well, where the step does not replay a prefill graph
+            if isinstance(meta, CpuPrefillMetadata) or (
+                isinstance(meta, TritonAttnMetadata) and not batch.padded_tokens
+            ):
+                assert (0 if meta.decode is None else meta.decode.rows.shape[0]) == decoding
 
     llm.step_observers.append(observe)
     return seen
@@ -121,20 +125,22 @@ def test_the_server_flag_turns_mixed_steps_on() -> None:
     assert parse_args(["--enable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk
 
 
-@pytest.mark.parametrize("kernels", ["auto", "triton-graphs"])
+@pytest.mark.parametrize("kernels", ["auto", "triton", "triton-graphs"])
 def test_mixed_steps_at_tp2_and_through_the_cuda_paths_kernels_give_transformers_tokens(
     kernels: str, tiny_model: Callable[[str], str], hf_reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every rank builds the same mixed steps; and the CUDA path's layers under Triton's interpreter, with the decode
-    and prefill graphs emulated, run a mixed step eagerly through the extend kernel (tp=1 there: it is slow)."""
+    """Every rank builds the same mixed steps; and the CUDA path's layers under Triton's interpreter (tp=1 there: it is
+    slow) run a mixed step's prompts through the extend kernel and its decode rows through the decode kernel, or the
+    whole step from a prefill graph where one fits (the graphs emulated)."""
     prompts, steps, extra, tp = PROMPTS[:6], 8, {}, 2
-    if kernels == "triton-graphs":
+    if kernels.startswith("triton"):
         monkeypatch.setenv("MINISGL_KERNELS", "triton")
         monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+        prompts, steps, tp = PROMPTS[:5], 5, 1
+    if kernels == "triton-graphs":
         monkeypatch.setenv("MINISGL_EMULATE_GRAPHS", "1")
         monkeypatch.setattr(ENV.EMULATE_GRAPHS, "value", True)
         extra = dict(cuda_graph_bs=[2, 4], cuda_graph_max_bs=4, cuda_graph_max_prefill=32)
-        prompts, steps, tp = PROMPTS[:5], 5, 1
     folder = tiny_model("qwen3")
     engine = {**ENGINE, "max_running_req": 2, "max_extend_tokens": 24}
     llm = LLM(folder, dtype=torch.float32, tp_size=tp, enable_mixed_chunk=True, **engine, **extra)

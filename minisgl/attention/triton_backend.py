@@ -54,6 +54,9 @@ class TritonAttnMetadata:
     max_q_len: int = 1
     num_splits: int = 1  # decode: splits along the sequence
     order: torch.Tensor | None = None  # [B] decode, MINISGL_DECODE_LONGEST_FIRST: the programs' order
+    # prefill: a mixed step's decode rows (the batch's last requests, one token each over their KV), for the decode
+    # kernels; the fields above are then those of the requests before them
+    decode: TritonAttnMetadata | None = None
 
 
 def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
@@ -136,23 +139,22 @@ class TritonAttnBackend(BaseAttnBackend):
         reqs = batch.padded_reqs
         rows = [r.table_idx for r in reqs]
         lens = [r.device_len for r in reqs]
-        # rows padded to 4 ints keep every row of `packed` 16-byte aligned: Triton specialises pointer
-        # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
-        pad = [0] * (-len(reqs) % 4)
         if batch.is_decode:
-            flat, num = rows + pad + lens + pad, 2
-            if self.ordered(len(reqs)):
-                flat, num = flat + decode_order(lens) + pad, 3
-            host = int_tensor(flat, torch.int32).view(num, -1)
-            packed = to_device_async(host, self.device)[:, : len(reqs)]
-            batch.attn_metadata = TritonAttnMetadata(
-                packed,
-                packed[0],
-                packed[1],
-                order=packed[2] if num == 3 else None,
-                num_splits=decode_splits(len(reqs), self.kv_cache.num_kv_heads),
-            )
+            batch.attn_metadata = self._decode_metadata(rows, lens)
             return
+        decode = None
+        if not batch.padded_tokens:  # a prefill graph's replay keeps its static metadata: no split
+            split = len(reqs)
+            while (
+                split > 0
+                and reqs[split - 1].extend_len == 1
+                and reqs[split - 1].cached_len >= reqs[split - 1].prompt_len
+            ):
+                split -= 1
+            if split < len(reqs):
+                decode = self._decode_metadata(rows[split:], lens[split:])
+                reqs, rows, lens = reqs[:split], rows[:split], lens[:split]
+        pad = [0] * (-len(reqs) % 4)  # as _decode_metadata pads
         q_lens = [r.extend_len for r in reqs]
         q_starts, total = [], 0
         for n in q_lens:
@@ -165,7 +167,25 @@ class TritonAttnBackend(BaseAttnBackend):
         )
         packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
         batch.attn_metadata = TritonAttnMetadata(
-            packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens)
+            packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens), decode=decode
+        )
+
+    def _decode_metadata(self, rows: list[int], lens: list[int]) -> TritonAttnMetadata:
+        """A decode step's metadata (rows and context lengths, the programs' order where ordered) in one copy."""
+        # rows padded to 4 ints keep every row of `packed` 16-byte aligned: Triton specialises pointer
+        # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
+        pad = [0] * (-len(rows) % 4)
+        flat, num = rows + pad + lens + pad, 2
+        if self.ordered(len(rows)):
+            flat, num = flat + decode_order(lens) + pad, 3
+        host = int_tensor(flat, torch.int32).view(num, -1)
+        packed = to_device_async(host, self.device)[:, : len(rows)]
+        return TritonAttnMetadata(
+            packed,
+            packed[0],
+            packed[1],
+            order=packed[2] if num == 3 else None,
+            num_splits=decode_splits(len(rows), self.kv_cache.num_kv_heads),
         )
 
     def ordered(self, batch_size: int) -> bool:
@@ -201,9 +221,16 @@ class TritonAttnBackend(BaseAttnBackend):
         return self._decode(q, layer_id, batch, rope)
 
     def _decode(
-        self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope | None = None
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+        rope: DecodeRope | None = None,
+        meta: TritonAttnMetadata | None = None,
     ) -> torch.Tensor:
-        meta: TritonAttnMetadata = batch.attn_metadata
+        """`meta`: a mixed step's decode rows' (their part of q); None: the decode step's."""
+        meta = batch.attn_metadata if meta is None else meta
+        assert meta is not None
         k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
         # the arguments both kernels take, in their order
         args = (q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale)
@@ -238,6 +265,12 @@ class TritonAttnBackend(BaseAttnBackend):
         if batch.is_decode:
             return self._decode(q, layer_id, batch).to(out_dtype)
         assert meta.q_starts is not None and meta.q_lens is not None
+        decode = meta.decode
+        tail = None
+        if decode is not None:
+            # the decode rows are the packed batch's last tokens, one a request
+            tail = self._decode(q[q.shape[0] - decode.rows.shape[0] :], layer_id, batch, meta=decode)
+            q = q[: q.shape[0] - decode.rows.shape[0]]
         out = extend_attention(
             q,
             k_cache,
@@ -252,6 +285,8 @@ class TritonAttnBackend(BaseAttnBackend):
             k_scale,
             v_scale,
         )
+        if tail is not None:
+            out = torch.cat([out, tail.to(out.dtype)])
         return out.to(out_dtype)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
