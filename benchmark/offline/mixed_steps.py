@@ -1,11 +1,11 @@
 """Mixed steps against the plain schedule, offline: where a workload's time goes by kind of step.
 
-    python benchmark/offline/mixed_steps.py [--runs 2] [--requests 48] [--max-running-req 16] [--budget 256]
+    python benchmark/offline/mixed_steps.py [--model M] [--runs 2] [--requests 48] [--max-running-req 16] [--budget 256]
 
 More requests than rows and a small prefill budget, so that prompts are admitted (in chunks) while others
 decode: the plain schedule runs prefill steps and decode steps, mixed steps
 (`enable_mixed_chunk=True`) decode the running requests inside the prefill steps. Random token prompts of
-U[50, 600] tokens and U[16, 128] greedy output tokens (seed 0) on the default model, without a prefix cache;
+U[50, 600] tokens and U[16, 128] greedy output tokens (seed 0) on the default model (or --model), without a prefix cache;
 each run builds both engines in turn, plain first, after a short warm-up generate. Printed: output tok/s,
 and each kind of step's count and seconds (a step's time is the wall clock to the next step).
 """
@@ -27,7 +27,7 @@ def run(mixed: bool, args: argparse.Namespace) -> tuple[float, dict[str, tuple[i
     from minisgl.core import Batch
 
     llm = LLM(
-        None,
+        args.model,
         max_running_req=args.max_running_req,
         max_extend_tokens=args.budget,
         cache_type="naive",
@@ -61,6 +61,7 @@ def run(mixed: bool, args: argparse.Namespace) -> tuple[float, dict[str, tuple[i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a model folder or GGUF file (default: the embedded model)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-running-req", type=int, default=16)
