@@ -164,14 +164,15 @@ class Scheduler(SchedulerIOMixin):
 
     def _mixed_batch(self) -> Batch | None:
         """A prefill step that also decodes every running request (its last token an extend of one, over the
-        KV it has), its budget less those tokens; None where nothing waits, nothing runs, or the running requests
-        alone would take the budget (the step is then a plain prefill or decode)."""
+        KV it has), its budget less those tokens; a decode step where no prompt is admitted (no row or room), as
+        without mixing; None where nothing waits, nothing runs, or the running requests alone would take the
+        budget (the step is then a plain prefill or decode)."""
         running = self.decode_manager.running_reqs
         if not (self.prefill_manager.runnable and running) or len(running) >= self.prefill_budget:
             return None
         prefill = self.prefill_manager.schedule_next_batch(self.prefill_budget - len(running))
         if prefill is None:
-            return None
+            return self.decode_manager.schedule_next_batch()
         return Batch(reqs=prefill.reqs + list(running), phase="prefill")
 
     def _launch(self, forward_input: ForwardInput, last_data: ForwardData | None) -> ForwardData:
