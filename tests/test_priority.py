@@ -155,10 +155,12 @@ def test_a_later_request_of_higher_priority_is_served_before_an_earlier_one(serv
     finished: list[str] = []
 
     def send(label: str, priority: int) -> None:
+        # each decodes for tens of steps alone in the one row, so the first to run answers well before the other
+        # (with a few steps, a busy machine's thread wake-ups could reorder the two answers)
         client.completions.create(
             model=server.name,
             prompt="x y",
-            max_tokens=3,
+            max_tokens=40,
             extra_body={"ignore_eos": True, "priority": priority},
         )
         finished.append(label)
