@@ -134,6 +134,17 @@ class Batch:
     def is_decode(self) -> bool:
         return self.phase == "decode"
 
+    @property
+    def num_decode_rows(self) -> int:
+        """A mixed step's decode rows (SchedulerConfig.enable_mixed_chunk): its last requests, each past its prompt
+        and computing one token over the KV it has. 0 for a decode step, which is all decode rows."""
+        if self.is_decode:
+            return 0
+        reqs, n = self.reqs, 0
+        while n < len(reqs) and reqs[-1 - n].cached_len >= reqs[-1 - n].prompt_len:
+            n += 1
+        return n
+
 
 @dataclass
 class Context:

@@ -41,8 +41,7 @@ def run(mixed: bool, args: argparse.Namespace) -> tuple[float, dict[str, tuple[i
     def observe(batch: Batch | None) -> None:
         kind = None
         if batch is not None:
-            decoding = any(r.cached_len >= r.prompt_len for r in batch.reqs)
-            kind = batch.phase if batch.is_decode or not decoding else "mixed"
+            kind = "mixed" if batch.num_decode_rows else batch.phase
         steps.append((time.perf_counter(), kind))
 
     llm.generate(prompts[:4], params[:4])

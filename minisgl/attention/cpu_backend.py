@@ -39,8 +39,8 @@ class CpuPrefillMetadata:
     rows: torch.Tensor  # [B] int64 page-table row of each request
     prefix_lens: torch.Tensor  # [B] int64 tokens already in the pool (cached_len)
     extend_lens: torch.Tensor  # [B] int64 this step's tokens: the request's rows of the packed batch
-    # the batch's last requests that compute one token over a cached context (a mixed step's decode rows), for
-    # the decode kernel, which reads a KV head once for its query heads; the requests above are those before them
+    # a mixed step's decode rows (Batch.num_decode_rows), for the decode kernel, which reads a KV head once for its
+    # query heads; the requests above are those before them
     decode: CpuDecodeMetadata | None = None
 
 
@@ -60,9 +60,8 @@ class CpuAttnBackend(TorchAttnBackend):
             meta = int_tensor([r.table_idx for r in reqs] + [r.device_len for r in reqs]).view(2, -1)
             batch.attn_metadata = CpuDecodeMetadata(meta[0], meta[1])
         elif self.prefill_in_c:
-            split = len(reqs)
-            while split > 0 and reqs[split - 1].extend_len == 1 and reqs[split - 1].cached_len > 0:
-                split -= 1
+            # a prefill graph's replay (emulated on a CPU) pads the requests: it keeps the prefill kernel for all
+            split = len(reqs) - (0 if batch.padded_tokens else batch.num_decode_rows)
             head, tail = reqs[:split], reqs[split:]
             flat = [r.table_idx for r in head] + [r.cached_len for r in head] + [r.extend_len for r in head]
             meta = int_tensor(flat).view(3, -1)

@@ -54,8 +54,8 @@ class TritonAttnMetadata:
     max_q_len: int = 1
     num_splits: int = 1  # decode: splits along the sequence
     order: torch.Tensor | None = None  # [B] decode, MINISGL_DECODE_LONGEST_FIRST: the programs' order
-    # prefill: a mixed step's decode rows (the batch's last requests, one token each over their KV), for the decode
-    # kernels; the fields above are then those of the requests before them
+    # prefill: a mixed step's decode rows (Batch.num_decode_rows), for the decode kernels; the fields above are then
+    # those of the requests before them
     decode: TritonAttnMetadata | None = None
 
 
@@ -143,17 +143,12 @@ class TritonAttnBackend(BaseAttnBackend):
             batch.attn_metadata = self._decode_metadata(rows, lens)
             return
         decode = None
-        if not batch.padded_tokens:  # a prefill graph's replay keeps its static metadata: no split
-            split = len(reqs)
-            while (
-                split > 0
-                and reqs[split - 1].extend_len == 1
-                and reqs[split - 1].cached_len >= reqs[split - 1].prompt_len
-            ):
-                split -= 1
-            if split < len(reqs):
-                decode = self._decode_metadata(rows[split:], lens[split:])
-                reqs, rows, lens = reqs[:split], rows[:split], lens[:split]
+        if (
+            not batch.padded_tokens and batch.num_decode_rows
+        ):  # a prefill graph's replay keeps its static metadata
+            split = len(reqs) - batch.num_decode_rows
+            decode = self._decode_metadata(rows[split:], lens[split:])
+            reqs, rows, lens = reqs[:split], rows[:split], lens[:split]
         pad = [0] * (-len(reqs) % 4)  # as _decode_metadata pads
         q_lens = [r.extend_len for r in reqs]
         q_starts, total = [], 0

@@ -193,11 +193,11 @@ class Tracer:
         if batch.padded_size != batch.size:
             args["padded_size"] = batch.padded_size
         if batch.is_prefill:
-            # a mixed step's decode rows (their prompts done) decode as they would in a decode step
-            decoding = [r for r in reqs if r.cached_len >= r.prompt_len]
+            # a mixed step's decode rows decode as they would in a decode step
+            decoding = batch.num_decode_rows
             if decoding:
-                args["decode_rows"] = len(decoding)
-            reqs = [r for r in reqs if r.cached_len < r.prompt_len]
+                args["decode_rows"] = decoding
+                reqs = reqs[: len(reqs) - decoding]
             # a request whose prefill starts now reads num_cached_tokens from the prefix cache
             args["cached_tokens"] = sum(r.cached_len for r in reqs if r.cached_len == r.num_cached_tokens)
             args["chunked"] = sum(isinstance(r, ChunkedReq) for r in reqs)
