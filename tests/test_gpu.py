@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import random_prompts
+from tiny import assert_nothing_held, mixed_steps, random_prompts
 
 from minisgl.core import SamplingParams
+from minisgl.engine import warmup
 from minisgl.env import ENV
 from minisgl.llm import LLM
 
@@ -102,6 +103,57 @@ def test_decode_longest_first_leaves_transformers_tokens(
     assert backend.ordered(8) and not backend.ordered(3) and llm.engine.graph_runner.graphs
     out = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_steps_give_transformers_tokens(page_size: int, tiny_model, hf_reference, make_llm) -> None:
+    # float32: a mixed step's prompts through the extend kernel, its decode rows through the Triton decode kernel
+    # (or the whole step from a prefill graph where one fits), beside decode steps from the graphs
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(11, seed=5, max_len=60)
+    llm = gpu_llm(
+        make_llm,
+        folder,
+        page_size=page_size,
+        max_running_req=4,
+        max_extend_tokens=40,
+        enable_mixed_chunk=True,
+    )
+    seen = mixed_steps(llm)
+    out = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
+    assert sum(n > 0 for n in seen) >= 2, seen
+    assert_nothing_held(llm)
+
+
+def test_mixed_steps_on_the_tensor_core_decode_kernel_keep_the_plain_schedules_tokens(
+    tiny_model, make_llm
+) -> None:
+    """bf16, head dim 128: the decode rows of mixed steps go to the tensor-core kernel, compiled for each of their
+    counts' variants by the warm-up. The tokens are the plain schedule's but where bf16's rounding in products
+    of other row counts turns a close choice (most of them stay)."""
+    folder = tiny_model("qwen3-head-dim-128")
+    prompts = random_prompts(11, seed=8, max_len=60)
+    runs = []
+    for mixed in (False, True):
+        llm = gpu_llm(
+            make_llm,
+            folder,
+            dtype=torch.bfloat16,
+            max_running_req=4,
+            max_extend_tokens=40,
+            enable_mixed_chunk=mixed,
+        )
+        assert llm.engine.attn_backend.tc_decode is not None
+        assert bool(warmup._mixed_decode_sizes(llm.engine)) == mixed
+        seen = mixed_steps(llm)
+        out = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        assert_nothing_held(llm)
+        assert (sum(n > 0 for n in seen) >= 2) == mixed, seen
+        runs.append([o["token_ids"] for o in out])
+        llm.shutdown()
+    same = sum(a == b for p, m in zip(*runs) for a, b in zip(p, m))
+    assert same >= 0.8 * sum(map(len, runs[0])), runs
 
 
 def test_torch_backend_on_cuda_runs_without_graphs(tiny_model, hf_reference, make_llm) -> None:

@@ -10,11 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import assert_nothing_held, overlap_loop_llm, random_prompts
+from tiny import assert_nothing_held, mixed_steps, overlap_loop_llm, random_prompts
 
-from minisgl.attention.cpu_backend import CpuPrefillMetadata
-from minisgl.attention.triton_backend import TritonAttnMetadata
-from minisgl.core import Batch, SamplingParams, set_global_ctx
+from minisgl.core import SamplingParams, set_global_ctx
 from minisgl.env import ENV
 from minisgl.llm import LLM
 from minisgl.server.args import parse_args
@@ -28,26 +26,6 @@ def params(i: int, n: int = 12) -> SamplingParams:
     """Greedy and seeded sampled requests in turn, of different lengths; some with logprobs."""
     kind: dict[str, Any] = {"temperature": 0.0} if i % 2 else {"temperature": 1.0, "seed": i, "top_p": 0.9}
     return SamplingParams(max_tokens=n + i, ignore_eos=True, logprobs=2 if i % 3 == 0 else None, **kind)
-
-
-def mixed_steps(llm: LLM) -> list[int]:
-    """Watch `llm`'s steps: each step's count of decode rows inside a prefill step is appended to the list."""
-    seen: list[int] = []
-
-    def observe(batch: Batch | None) -> None:
-        if batch is not None and batch.is_prefill:
-            decoding = sum(r.cached_len >= r.prompt_len for r in batch.reqs)
-            seen.append(decoding)
-            # the CPU backend runs them with its decode kernel, the prompts' rows before them with its prefill one
-            meta = batch.attn_metadata
-            # the CUDA path's backend as well, where the step does not replay a prefill graph
-            if isinstance(meta, CpuPrefillMetadata) or (
-                isinstance(meta, TritonAttnMetadata) and not batch.padded_tokens
-            ):
-                assert (0 if meta.decode is None else meta.decode.rows.shape[0]) == decoding
-
-    llm.step_observers.append(observe)
-    return seen
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The start-up warm-up (engine/warmup.py): its steps go through the engine's own path and leave nothing behind.
 
-On CUDA the engine runs it before capturing graphs; here it is called on a CPU engine, where the
-same steps run on the torch kernels, to check what it builds and what it clears.
+On CUDA the engine runs it before capturing graphs; here it is called on a CPU engine (on any machine), where
+the same steps run on the torch kernels, to check what it builds and what it clears.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_the_warm_up_runs_every_sampling_mode_and_leaves_no_trace(
     tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tiny_model("qwen3-moe")
-    llm = make_llm(folder, max_running_req=8, cache_type="naive")
+    llm = make_llm(folder, max_running_req=8, cache_type="naive", device="cpu")
     prompts = random_prompts(5, seed=4, max_len=20)
     params = [
         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(5)
@@ -60,6 +60,54 @@ def test_the_warm_up_runs_every_sampling_mode_and_leaves_no_trace(
     assert [o["token_ids"] for o in llm.generate(prompts, params)] == before
 
 
+def test_with_mixed_steps_the_warm_up_runs_one_for_each_decode_row_count(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a mixed step's decode rows run the decode kernels without a graph: on CUDA each count of them whose kernels
+    # differ would compile at its first request; here the steps the warm-up builds for them, on a CPU engine
+    folder = tiny_model("qwen3")
+    llm = make_llm(folder, max_running_req=8, cache_type="naive", enable_mixed_chunk=True, device="cpu")
+    prompts = random_prompts(5, seed=6, max_len=20)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, ignore_eos=True) for i in range(5)]
+    before = [o["token_ids"] for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    steps: list[tuple[str, int, int, int]] = []
+    forward = engine.forward_batch
+
+    def record(forward_input: ForwardInput) -> ForwardOutput:
+        batch = forward_input.batch
+        steps.append((batch.phase, batch.size, len(batch.positions), batch.num_decode_rows))
+        return forward(forward_input)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "forward_batch", record)
+        m.setattr(warmup, "_mixed_decode_sizes", lambda engine: [2, 7])
+        warm_up(engine)
+    # each count's requests prefilled, then a prompt of 3 tokens with them as its decode rows; 7 leaves one row
+    assert steps[-4:] == [
+        ("prefill", 2, 2, 0),
+        ("prefill", 3, 5, 2),
+        ("prefill", 7, 7, 0),
+        ("prefill", 8, 10, 7),
+    ]
+    assert not engine.page_table[:8].any() and not engine.token_pool[:8].any()
+    llm.check_integrity()
+    assert [o["token_ids"] for o in llm.generate(prompts, params)] == before
+
+
+def test_mixed_decode_sizes_cover_every_variant_of_the_decode_rows() -> None:
+    engine = fake_engine(256, 256, 8, cuda=True)
+    assert warmup._mixed_decode_sizes(engine) == []  # type: ignore[arg-type]
+    engine.config.enable_mixed_chunk = True
+    sizes = warmup._mixed_decode_sizes(engine)  # type: ignore[arg-type]
+    variant = engine.attn_backend.decode_variant
+    # whatever the graphs: every count of decode rows beside a prompt, one size a variant
+    assert {variant(bs) for bs in range(1, 256)} == {variant(bs) for bs in sizes}
+    assert len(set(map(variant, sizes))) == len(sizes) and max(sizes) < 256
+    engine.device = torch.device("cpu")
+    assert warmup._mixed_decode_sizes(engine) == []  # type: ignore[arg-type]
+
+
 def fake_engine(
     max_running_req: int, graphs_max_bs: int, kv_heads: int, cuda: bool = False
 ) -> SimpleNamespace:
@@ -75,7 +123,7 @@ def fake_engine(
     return SimpleNamespace(
         device=torch.device("cuda"),
         graph_runner=SimpleNamespace(enabled=graphs_max_bs > 0, max_bs=graphs_max_bs),
-        config=SimpleNamespace(max_running_req=max_running_req),
+        config=SimpleNamespace(max_running_req=max_running_req, enable_mixed_chunk=False),
         attn_backend=backend,
     )
 

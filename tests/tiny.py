@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from minisgl.core import Batch
     from minisgl.llm import LLM
 
 VOCAB = 320
@@ -176,6 +177,29 @@ def assert_nothing_held(llm: LLM) -> None:
     """After a generate call every table row is free again and every KV page is free or cached."""
     assert llm.table_manager.available_size == llm.table_manager.max_running_req
     llm.check_integrity()
+
+
+def mixed_steps(llm: LLM) -> list[int]:
+    """Watch `llm`'s steps: each step's count of decode rows inside a prefill step is appended to the list."""
+    from minisgl.attention.cpu_backend import CpuPrefillMetadata
+    from minisgl.attention.triton_backend import TritonAttnMetadata
+
+    seen: list[int] = []
+
+    def observe(batch: Batch | None) -> None:
+        if batch is not None and batch.is_prefill:
+            decoding = sum(r.cached_len >= r.prompt_len for r in batch.reqs)
+            seen.append(decoding)
+            # the CPU backend runs them with its decode kernel, the prompts' rows before them with its prefill one
+            meta = batch.attn_metadata
+            # the CUDA path's backend as well, where the step does not replay a prefill graph
+            if isinstance(meta, CpuPrefillMetadata) or (
+                isinstance(meta, TritonAttnMetadata) and not batch.padded_tokens
+            ):
+                assert (0 if meta.decode is None else meta.decode.rows.shape[0]) == decoding
+
+    llm.step_observers.append(observe)
+    return seen
 
 
 def overlap_loop_llm(folder: str, **kwargs: Any) -> LLM:

@@ -32,6 +32,10 @@ class EngineConfig:
     # prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs (engine/prefill_graph.py);
     # None: 2048 on CUDA; 0 turns them off
     cuda_graph_max_prefill: int | None = None
+    # a prefill step also decodes the running requests, a token each (SGLang's --enable-mixed-chunk): their streams
+    # go on while prompts are computed, instead of waiting for every prefill step. Off: a step prefills or decodes.
+    # The scheduler builds those steps; the engine's warm-up compiles the kernels their decode rows run
+    enable_mixed_chunk: bool = False
     distributed_addr: str = "tcp://127.0.0.1:29517"  # torch.distributed's rendezvous, for tp_info.size > 1
     nnodes: int = 1  # machines the ranks are spread over, evenly
 

@@ -19,6 +19,9 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
   batches that run eagerly (all of them without graphs, or those above the largest graph) pick the
   attention kernels' tiles, splits and order by their size, so one eager step here runs for each
   variant among those sizes (`attn_backend.decode_variant`), and of 1 and 16 rows;
+- mixed steps (EngineConfig.enable_mixed_chunk): a prefill step's last rows decode through the decode kernels,
+  eagerly whatever the graphs, at 1 to max_running_req - 1 rows (a prompt takes a row), so one mixed step for
+  each decode variant among those counts (`_mixed_decode_sizes`);
 - sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
   penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too).
 Batch sizes add no variants: the per-row buffers are padded to keep every pointer 16-byte aligned
@@ -63,18 +66,24 @@ def _prefill_lengths(engine: Engine) -> list[int]:
     return lengths
 
 
-def _requests(engine: Engine, total: int, params: list[SamplingParams]) -> list[Req]:
-    """Requests of `total` prompt tokens over table rows 0, 1, ..., each at most a row long, with the
-    sampling parameters taken in turn; their page-table rows point at the pool's first slots."""
+def _requests(
+    engine: Engine, total: int, params: list[SamplingParams], after: list[Req] | None = None
+) -> list[Req]:
+    """Requests of `total` prompt tokens over table rows 0, 1, ... (or the rows after those of `after`, in the
+    slots after theirs), each at most a row long, with the sampling parameters taken in turn; their page-table
+    rows point at the pool's first slots."""
+    after = after or []
+    first = len(after)
+    used = sum(len(r.input_ids) + 1 for r in after)
     longest = engine.max_seq_len - 2  # room for the decode step after the prefill
-    rows = engine.config.max_running_req
-    slots = engine.num_pages * engine.page_size
+    rows = engine.config.max_running_req - first
+    slots = engine.num_pages * engine.page_size - used
     total = min(total, rows * longest, slots - rows)
     count = max(len(params), -(-total // longest))
     count = min(count, rows, max(1, total))
-    reqs, used, placed = [], 0, 0
-    for i in range(count):
-        n = max(1, min(longest, (total - placed) // (count - i)))
+    reqs, placed = [], 0
+    for i in range(first, first + count):
+        n = max(1, min(longest, (total - placed) // (first + count - i)))
         placed += n
         reqs.append(
             Req(
@@ -109,6 +118,17 @@ def _eager_decode_sizes(engine: Engine) -> list[int]:
     return sorted(set(sizes.values()) | {bs for bs in (1, 16) if lo <= bs <= hi})
 
 
+def _mixed_decode_sizes(engine: Engine) -> list[int]:
+    """Decode-row counts of mixed steps, one for each variant of the attention backend's decode kernels: a
+    prefill step's decode rows run them without a graph, at 1 to max_running_req - 1 rows."""
+    if engine.device.type != "cuda" or not engine.config.enable_mixed_chunk:
+        return []
+    sizes: dict[object, int] = {}
+    for bs in range(1, engine.config.max_running_req):
+        sizes.setdefault(engine.attn_backend.decode_variant(bs), bs)
+    return sorted(sizes.values())
+
+
 def _step(engine: Engine, reqs: list[Req], phase: str) -> None:
     batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
     engine.forward_batch(engine.prepare_batch(batch, eos_token_ids=(0,)))
@@ -131,6 +151,11 @@ def warm_up(engine: Engine) -> None:
         reqs = _requests(engine, bs, [SamplingParams()] * bs)
         _step(engine, reqs, "prefill")
         _step(engine, reqs, "decode")
+    for bs in _mixed_decode_sizes(engine):
+        decode = _requests(engine, bs, [SamplingParams()] * bs)
+        _step(engine, decode, "prefill")
+        # the prompt first, the decode rows last: Batch.num_decode_rows
+        _step(engine, _requests(engine, 3, [SamplingParams()], after=decode) + decode, "prefill")
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     rows = engine.config.max_running_req

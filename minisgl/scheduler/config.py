@@ -21,9 +21,6 @@ class SchedulerConfig(EngineConfig):
     # preempted: a priority orders the queue only. Off: first come first served, and a request's priority unused
     priority_scheduling: bool = False
     low_priority_values_first: bool = False
-    # a prefill step also decodes the running requests, a token each (SGLang's --enable-mixed-chunk): their streams
-    # go on while prompts are computed, instead of waiting for every prefill step. Off: a step prefills or decodes
-    enable_mixed_chunk: bool = False
     # the chat template (a Jinja text, or a file's path) used instead of the tokenizer's: vLLM's and SGLang's
     # --chat-template. None: the tokenizer's own
     chat_template: str | None = None
