@@ -134,6 +134,12 @@ class _Env:
             "time than Triton's kernel at 64-256 rows and 3-12% less than decode.cu's, bf16 5-14% less than "
             "Triton's and 0-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
+        self.MIXED_DECODE_SPLIT = EnvVar(
+            "MINISGL_MIXED_DECODE_SPLIT",
+            True,
+            "with the Triton attention backend, a mixed step's decode rows (--enable-mixed-chunk) through the "
+            "decode kernels, eagerly; 0: through the extend kernel with the step's prompts",
+        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
             16,

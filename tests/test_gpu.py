@@ -105,10 +105,14 @@ def test_decode_longest_first_leaves_transformers_tokens(
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_steps_give_transformers_tokens(page_size: int, tiny_model, hf_reference, make_llm) -> None:
+def test_mixed_steps_give_transformers_tokens(
+    page_size: int, split: bool, tiny_model, hf_reference, make_llm, monkeypatch
+) -> None:
     # float32: a mixed step's prompts through the extend kernel, its decode rows through the Triton decode kernel
-    # (or the whole step from a prefill graph where one fits), beside decode steps from the graphs
+    # or with the prompts (or the whole step from a prefill graph where one fits), beside decode steps from graphs
+    monkeypatch.setattr(ENV.MIXED_DECODE_SPLIT, "value", split)
     folder = tiny_model("qwen3")
     prompts = random_prompts(11, seed=5, max_len=60)
     llm = gpu_llm(

@@ -103,7 +103,7 @@ def test_the_server_flag_turns_mixed_steps_on() -> None:
     assert parse_args(["--enable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk
 
 
-@pytest.mark.parametrize("kernels", ["auto", "triton", "triton-graphs"])
+@pytest.mark.parametrize("kernels", ["auto", "triton", "triton-unsplit", "triton-graphs"])
 def test_mixed_steps_at_tp2_and_through_the_cuda_paths_kernels_give_transformers_tokens(
     kernels: str, tiny_model: Callable[[str], str], hf_reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -115,6 +115,8 @@ def test_mixed_steps_at_tp2_and_through_the_cuda_paths_kernels_give_transformers
         monkeypatch.setenv("MINISGL_KERNELS", "triton")
         monkeypatch.setattr(ENV.KERNELS, "value", "triton")
         prompts, steps, tp = PROMPTS[:5], 5, 1
+    if kernels == "triton-unsplit":  # the decode rows with the prompts through the extend kernel
+        monkeypatch.setattr(ENV.MIXED_DECODE_SPLIT, "value", False)
     if kernels == "triton-graphs":
         monkeypatch.setenv("MINISGL_EMULATE_GRAPHS", "1")
         monkeypatch.setattr(ENV.EMULATE_GRAPHS, "value", True)

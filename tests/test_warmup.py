@@ -104,6 +104,10 @@ def test_mixed_decode_sizes_cover_every_variant_of_the_decode_rows() -> None:
     # whatever the graphs: every count of decode rows beside a prompt, one size a variant
     assert {variant(bs) for bs in range(1, 256)} == {variant(bs) for bs in sizes}
     assert len(set(map(variant, sizes))) == len(sizes) and max(sizes) < 256
+    # decode rows that go with the prompts through the extend kernel (MINISGL_MIXED_DECODE_SPLIT=0) add no variant
+    engine.attn_backend.splits_mixed_steps = False
+    assert warmup._mixed_decode_sizes(engine) == []  # type: ignore[arg-type]
+    engine.attn_backend.splits_mixed_steps = True
     engine.device = torch.device("cpu")
     assert warmup._mixed_decode_sizes(engine) == []  # type: ignore[arg-type]
 
@@ -113,7 +117,9 @@ def fake_engine(
 ) -> SimpleNamespace:
     """What _eager_decode_sizes reads of a CUDA engine with the Triton backend (no GPU needed); `cuda`: with the
     CUDA C++ decode kernel, whose variant follows the batch size too."""
-    backend = SimpleNamespace(kv_cache=SimpleNamespace(num_kv_heads=kv_heads), supports_cuda_graphs=True)
+    backend = SimpleNamespace(
+        kv_cache=SimpleNamespace(num_kv_heads=kv_heads), supports_cuda_graphs=True, splits_mixed_steps=True
+    )
     kernel = SimpleNamespace(variants=VARIANTS)
     kernel.variant = lambda bs: CudaDecode.variant(kernel, bs)  # type: ignore[arg-type]
     backend.cuda_decode = kernel if cuda else None

@@ -192,11 +192,13 @@ def mixed_steps(llm: LLM) -> list[int]:
             seen.append(decoding)
             # the CPU backend runs them with its decode kernel, the prompts' rows before them with its prefill one
             meta = batch.attn_metadata
-            # the CUDA path's backend as well, where the step does not replay a prefill graph
+            # the CUDA path's backend as well, where the step does not replay a prefill graph, unless it is told to
+            # send them with the prompts to its extend kernel (MINISGL_MIXED_DECODE_SPLIT=0)
+            split = llm.engine.attn_backend.splits_mixed_steps
             if isinstance(meta, CpuPrefillMetadata) or (
                 isinstance(meta, TritonAttnMetadata) and not batch.padded_tokens
             ):
-                assert (0 if meta.decode is None else meta.decode.rows.shape[0]) == decoding
+                assert (0 if meta.decode is None else meta.decode.rows.shape[0]) == (decoding if split else 0)
 
     llm.step_observers.append(observe)
     return seen

@@ -3,8 +3,8 @@ host syncs each schedule makes.
 
     python benchmark/offline/mixed_profile.py --model M [--requests 128] [--max-running-req 64] [--budget 2048]
 
-For each schedule (plain, then `enable_mixed_chunk=True`): an engine built, a short warm-up generate, then
-random-token prompts of U[50, 600] tokens and U[16, 128] greedy output tokens (seed 0), once under
+For each schedule (plain; `enable_mixed_chunk=True`; the same with MINISGL_MIXED_DECODE_SPLIT=0): an engine
+built, a short warm-up generate, then mixed_steps.py's workload timed, once under
 `torch.cuda.set_sync_debug_mode("warn")` (each synchronizing call's place in the code counted) and once under
 the profiler (device kernels and host ops by total time). Printed as text; `--trace DIR` writes each
 schedule's Chrome trace there, gzipped.
@@ -30,7 +30,7 @@ from mixed_steps import build, workload  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None, help="a model folder (default: the embedded model)")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--max-running-req", type=int, default=64)
     p.add_argument("--budget", type=int, default=2048)
@@ -38,30 +38,42 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="a folder for the Chrome traces")
     args = p.parse_args()
     prompts, params = workload(args.requests)
-    for mixed in (False, True):
-        name = "mixed" if mixed else "plain"
-        llm = build(mixed, args)
+    from minisgl.env import ENV
+
+    for name in ("plain", "mixed", "mixed_unsplit"):
+        # the decode rows through the decode kernels (the default), or with the prompts through the extend kernel
+        ENV.MIXED_DECODE_SPLIT.value = name != "mixed_unsplit"
+        llm = build(name != "plain", args)
         llm.generate(prompts[:8], params[:8])
         start = time.perf_counter()
         llm.generate(prompts, params)
         print(f"== {name}: {time.perf_counter() - start:.3f} s unprofiled", flush=True)
+        cuda = torch.cuda.is_available()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
             try:
                 llm.generate(prompts, params)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
         places = collections.Counter(
-            f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "ynchroniz" in str(w.message)
+            f"{os.path.relpath(w.filename)}:{w.lineno}"
+            for w in caught
+            if "ynchroniz" in str(w.message) and "prototype" not in str(w.message)
         )
         print(f"host syncs: {sum(places.values())}")
         for place, n in places.most_common(12):
             print(f"  {n:6d}  {place}")
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        start = time.perf_counter()
         with torch.profiler.profile(activities=acts) as prof:
             llm.generate(prompts, params)
+        wall = time.perf_counter() - start
         table = prof.key_averages()
+        device = sum(getattr(e, "self_device_time_total", 0.0) for e in table) / 1e6
+        print(f"profiled: {wall:.3f} s wall, the device's kernels {device:.3f} s")
         print(table.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         print(table.table(sort_by="cpu_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.trace:

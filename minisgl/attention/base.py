@@ -45,6 +45,9 @@ class DecodeRope:
 class BaseAttnBackend(ABC):
     # whether the decode CUDA-graph hooks below are implemented (the warm-up runs eagerly what graphs won't)
     supports_cuda_graphs = False
+    # whether a mixed step's decode rows (Batch.num_decode_rows) run the decode kernels, at the variants of their
+    # count (the warm-up compiles those where mixed steps are on), rather than with the prompts
+    splits_mixed_steps = False
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:

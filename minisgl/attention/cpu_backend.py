@@ -45,6 +45,8 @@ class CpuPrefillMetadata:
 
 
 class CpuAttnBackend(TorchAttnBackend):
+    splits_mixed_steps = True
+
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, device: torch.device, lib: ctypes.CDLL
     ) -> None:

@@ -124,6 +124,7 @@ class TritonAttnBackend(BaseAttnBackend):
         ]
         # read once, so that the graphs and every step's metadata agree on it
         self.order_from = int(ENV.DECODE_LONGEST_FIRST.value)
+        self.splits_mixed_steps = bool(ENV.MIXED_DECODE_SPLIT.value)
         self.graph_meta: torch.Tensor | None = None  # [2 or 3, max_bs] static decode metadata of the graphs
         # the tensor-core kernel takes its groups at every batch, so for a model whose group is known decode.cu's
         # module is compiled only where the tensor-core one is not
@@ -143,9 +144,8 @@ class TritonAttnBackend(BaseAttnBackend):
             batch.attn_metadata = self._decode_metadata(rows, lens)
             return
         decode = None
-        if (
-            not batch.padded_tokens and batch.num_decode_rows
-        ):  # a prefill graph's replay keeps its static metadata
+        # a prefill graph's replay keeps its static metadata
+        if self.splits_mixed_steps and not batch.padded_tokens and batch.num_decode_rows:
             split = len(reqs) - batch.num_decode_rows
             decode = self._decode_metadata(rows[split:], lens[split:])
             reqs, rows, lens = reqs[:split], rows[:split], lens[:split]

@@ -121,7 +121,11 @@ def _eager_decode_sizes(engine: Engine) -> list[int]:
 def _mixed_decode_sizes(engine: Engine) -> list[int]:
     """Decode-row counts of mixed steps, one for each variant of the attention backend's decode kernels: a
     prefill step's decode rows run them without a graph, at 1 to max_running_req - 1 rows."""
-    if engine.device.type != "cuda" or not engine.config.enable_mixed_chunk:
+    if not (
+        engine.device.type == "cuda"
+        and engine.config.enable_mixed_chunk
+        and engine.attn_backend.splits_mixed_steps
+    ):
         return []
     sizes: dict[object, int] = {}
     for bs in range(1, engine.config.max_running_req):

@@ -81,6 +81,13 @@ class Scheduler(SchedulerIOMixin):
             self.tokenizer, self.engine.model_config.vocab_size, self._eos_ids, pin(self.device)
         )
         self.prefill_budget = config.max_extend_tokens
+        if config.enable_mixed_chunk and self.device.type == "cuda":
+            # a mixed step holds every running request, more than a prefill graph takes, so it runs eagerly and
+            # its host launches outlast the device's work (docs/scheduling.md, "Mixed steps")
+            logger.warning_rank0(
+                "mixed steps run without CUDA graphs: on an H100 and an H200 they were slower than the plain "
+                "schedule, offline and served (docs/benchmarks.md, 'Mixed steps on a GPU')"
+            )
         # prompt logprobs of requests whose prompt is prefilled in chunks, gathered until the last chunk
         self._prompt_logprobs: dict[int, list[tuple[float, int, list[list[Any]]]]] = {}
         self.cache_stats = CacheStats()
