@@ -60,7 +60,7 @@ def test_mixed_steps_give_the_plain_schedules_tokens_and_logprobs(
     requests = [params(i) for i in range(len(PROMPTS))]
     # a request that asks for its prompt's log-probabilities decodes in mixed steps after its prefill
     requests[4] = SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=1)
-    plain = outputs(make_llm(path, page_size=page_size, **ENGINE), requests)
+    plain = outputs(make_llm(path, page_size=page_size, enable_mixed_chunk=False, **ENGINE), requests)
     llm = make_llm(path, page_size=page_size, enable_mixed_chunk=True, **ENGINE)
     seen = mixed_steps(llm)
     mixed = outputs(llm, requests)
@@ -80,7 +80,7 @@ def test_the_overlap_loop_with_mixed_steps_gives_the_plain_loops_tokens(
 ) -> None:
     path = tiny_model("llama")
     requests = [params(i) for i in range(len(PROMPTS))]
-    plain = make_llm(path, **ENGINE)
+    plain = make_llm(path, enable_mixed_chunk=False, **ENGINE)
     want = [o["token_ids"] for o in plain.generate(PROMPTS, requests)]
     monkeypatch.setattr(ENV.DEBUG_CHECK_INTEGRITY, "value", True)
     llm = overlap_loop_llm(path, enable_mixed_chunk=True, dtype=torch.float32, **ENGINE)
@@ -98,9 +98,20 @@ def test_the_overlap_loop_with_mixed_steps_gives_the_plain_loops_tokens(
         set_global_ctx(plain.engine.ctx)
 
 
-def test_the_server_flag_turns_mixed_steps_on() -> None:
-    assert not parse_args([]).scheduler_config("a", "b").enable_mixed_chunk
-    assert parse_args(["--enable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk
+def test_the_server_flags_turn_mixed_steps_on_and_off_and_the_default_follows_the_device(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    assert parse_args([]).scheduler_config("a", "b").enable_mixed_chunk is None
+    assert parse_args(["--enable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk is True
+    assert parse_args(["--disable-mixed-chunk"]).scheduler_config("a", "b").enable_mixed_chunk is False
+    # left to the engine: on on a CPU (measured faster there), off on CUDA (its mixed steps run without graphs)
+    for flag in (None, False):
+        llm = make_llm(tiny_model("llama"), device="cpu", enable_mixed_chunk=flag, **ENGINE)
+        assert llm.config.enable_mixed_chunk is (flag is None)
+        seen = mixed_steps(llm)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert_nothing_held(llm)
+        assert (sum(n > 0 for n in seen) >= 2) == (flag is None), seen
 
 
 @pytest.mark.parametrize("kernels", ["auto", "triton", "triton-unsplit", "triton-graphs"])

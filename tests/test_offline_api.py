@@ -107,7 +107,9 @@ def test_waiting_requests_join_in_arrival_order_as_rows_free(
     tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
 ) -> None:
     path = tiny_model("llama")
-    llm = make_llm(path, max_running_req=2, cache_type="naive")
+    llm = make_llm(
+        path, max_running_req=2, cache_type="naive", enable_mixed_chunk=False
+    )  # the plain schedule
     trace = _trace(llm)
     lengths = [3, 12, 7, 1, 9, 4]
     out = llm.generate(ID_PROMPTS[:6], [greedy(n) for n in lengths])

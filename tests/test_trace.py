@@ -128,7 +128,9 @@ def test_offline_trace_records_every_step_request_and_counter(
 ) -> None:
     path = str(tmp_path / "run.json")
     # three rows and a 32-token prefill budget: requests wait, long prompts are chunked
-    llm = make_llm(tiny_model("llama"), max_running_req=3, max_extend_tokens=32, trace=path)
+    llm = make_llm(
+        tiny_model("llama"), max_running_req=3, max_extend_tokens=32, trace=path, enable_mixed_chunk=False
+    )
     batches = record_batches(llm)
     prompts = random_prompts(6, seed=1, min_len=4, max_len=50)
     too_long = [5] * 600

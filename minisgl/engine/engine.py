@@ -72,6 +72,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device) if config.device else default_device()
         config.dtype = resolve_dtype(config.dtype, self.device)
+        if config.enable_mixed_chunk is None:
+            config.enable_mixed_chunk = self.device.type == "cpu"
         self.tp_info = config.tp_info
         set_tp_info(config.tp_info)
         set_log_rank(config.tp_info.rank)

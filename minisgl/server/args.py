@@ -60,7 +60,7 @@ class ServerArgs:
     # --scheduling-policy priority (lower values first)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
-    enable_mixed_chunk: bool = False  # SchedulerConfig.enable_mixed_chunk
+    enable_mixed_chunk: bool | None = None  # SchedulerConfig.enable_mixed_chunk (None: by the device)
     scheduling_policy: str = "fcfs"
     # what the HTTP front end takes from a client (server/guard.py)
     max_request_bytes: int = 4 << 20
@@ -238,8 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--enable-mixed-chunk",
         action="store_true",
+        default=None,
         help="a prefill step also decodes the running requests, a token each, so their streams go on while "
-        "prompts are computed (SGLang's) (default: off: a step prefills or decodes)",
+        "prompts are computed (SGLang's) (default: on a CPU; off on CUDA, where those steps run without graphs)",
+    )
+    engine.add_argument(
+        "--disable-mixed-chunk",
+        dest="enable_mixed_chunk",
+        action="store_false",
+        default=None,
+        help="a step prefills or decodes, never both (the default on CUDA)",
     )
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
     engine.add_argument(
