@@ -100,6 +100,7 @@ def run_minisgl(
         max_seq_len_override=max(2 * args.max_len + 8, 64),
         trace=trace,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        enable_mixed_chunk={"auto": None, "on": True, "off": False}[args.mixed_chunk],
     )
     print(f"LLM() ready in {time.perf_counter() - start:.1f} s (start-up, warm-up included)", flush=True)
     params = [
@@ -188,6 +189,13 @@ def main() -> None:
     )
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs) for minisgl")
     p.add_argument("--page-size", type=int, default=1, help="minisgl's KV page size (slots a page)")
+    p.add_argument(
+        "--mixed-chunk",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="minisgl's mixed steps (enable_mixed_chunk): auto, the engine's default for the device (on a CPU, "
+        "off on CUDA)",
+    )
     p.add_argument(
         "--decode-tiles",
         default=None,
