@@ -34,8 +34,8 @@ class EngineConfig:
     cuda_graph_max_prefill: int | None = None
     # a prefill step also decodes the running requests, a token each (SGLang's --enable-mixed-chunk): their streams
     # go on while prompts are computed, instead of waiting for every prefill step. Off: a step prefills or decodes.
-    # None: on on a CPU, off on CUDA, where its steps run without graphs and were slower (docs/scheduling.md); the
-    # engine resolves it with the device. The scheduler builds those steps; the warm-up compiles their kernels
+    # None: mixed steps on a CPU, none on CUDA, where they run without graphs and were slower (docs/scheduling.md);
+    # the engine resolves it with the device. The scheduler builds those steps; the warm-up compiles their kernels
     enable_mixed_chunk: bool | None = None
     distributed_addr: str = "tcp://127.0.0.1:29517"  # torch.distributed's rendezvous, for tp_info.size > 1
     nnodes: int = 1  # machines the ranks are spread over, evenly
