@@ -145,8 +145,9 @@ class TritonAttnBackend(BaseAttnBackend):
             return
         decode = None
         # a prefill graph's replay keeps its static metadata
-        if self.splits_mixed_steps and not batch.padded_tokens and batch.num_decode_rows:
-            split = len(reqs) - batch.num_decode_rows
+        decoding = batch.num_decode_rows if self.splits_mixed_steps and not batch.padded_tokens else 0
+        if decoding:
+            split = len(reqs) - decoding
             decode = self._decode_metadata(rows[split:], lens[split:])
             reqs, rows, lens = reqs[:split], rows[:split], lens[:split]
         pad = [0] * (-len(reqs) % 4)  # as _decode_metadata pads
