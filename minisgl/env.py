@@ -140,14 +140,6 @@ class _Env:
             "with the Triton attention backend, a mixed step's decode rows (--enable-mixed-chunk) through the "
             "decode kernels, eagerly; 0: through the extend kernel with the step's prompts",
         )
-        self.FLASH_PREFILL = EnvVar(
-            "MINISGL_FLASH_PREFILL",
-            64,
-            "with the Triton attention backend on CUDA, an eager prefill step whose queries a context token "
-            "(query-key pairs over context tokens) are at least this many runs through torch's flash kernel over "
-            "its requests' K/V copied out of the pool (kernel/flash.py); fewer stay in the paged extend "
-            "kernel, which reads the context once; 0: never",
-        )
         self.FUSED_DECODE_ROPE = EnvVar(
             "MINISGL_FUSED_DECODE_ROPE",
             16,

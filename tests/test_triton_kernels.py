@@ -166,16 +166,27 @@ def test_bf16_attention_within_bf16_error() -> None:
         assert rel_err(decode_attention(q, k, v, table, rows, seq, splits, d**-0.5).cpu(), ref) < 1e-2
 
 
+def test_short_prompts_take_the_short_tiles() -> None:
+    cpu = torch.device("cpu")
+    assert attention.extend_config(torch.bfloat16, 128, cpu, attention.SHORT_QUERIES) == attention.SHORT
+    assert attention.extend_config(torch.bfloat16, 128, cpu, attention.SHORT_QUERIES + 1) != attention.SHORT
+    assert attention.extend_config(torch.float32, 128, cpu, 1) != attention.SHORT  # float32 keeps its own
+
+
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core tiles need a GPU")
 @pytest.mark.parametrize(
     "tiles", [None, attention.ExtendConfig(128, 128, 8, 3, even=True, longest_first=True)]
 )
+@pytest.mark.parametrize("short", [False, True], ids=["long", "short"])
 def test_bf16_extend_attention_within_bf16_error(
-    tiles: attention.ExtendConfig | None, monkeypatch: pytest.MonkeyPatch
+    tiles: attention.ExtendConfig | None, short: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(attention, "EXTEND_CONFIG", tiles)
-    # a fresh prompt of 700 tokens, and 300 new tokens after a cached prefix of 1,000
+    # a fresh prompt of 700 tokens, and 300 new tokens after a cached prefix of 1,000; `short`: prompts of at
+    # most SHORT_QUERIES tokens (the short tiles where the engine picks them), fresh and after a prefix
     lens, q_lens, hq, hk, d = [700, 1300], [700, 300], 16, 8, 128
+    if short:
+        lens, q_lens = [64, 17, 1040, 1], [64, 17, 40, 1]
     k, v, table = paged_pool(lens, hk, d, 1, torch.bfloat16, seed=5)
     q = torch.randn(sum(q_lens), hq, d, device=DEVICE).bfloat16()
     i32 = dict(dtype=torch.int32, device=DEVICE)
@@ -184,9 +195,9 @@ def test_bf16_extend_attention_within_bf16_error(
         k,
         v,
         table,
-        torch.arange(2, **i32),
+        torch.arange(len(lens), **i32),
         torch.tensor(lens, **i32),
-        torch.tensor([0, 700], **i32),
+        torch.tensor([sum(q_lens[:i]) for i in range(len(lens))], **i32),
         torch.tensor(q_lens, **i32),
         max(q_lens),
         d**-0.5,

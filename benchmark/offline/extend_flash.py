@@ -1,17 +1,16 @@
-"""Prefill attention on one GPU: the paged extend kernel against torch's flash kernel over K/V copied out of the pool.
+"""Prefill attention on one GPU: the paged extend kernel against torch's kernels over K/V copied out of the pool.
 
     python benchmark/offline/extend_flash.py [--json out.json]
 
 Each case is one layer of a prefill step on the Qwen3-0.6B shape (16 query heads, 8 KV heads, head dim 128, a
-bf16 pool of page size 1, each request's slots scattered a page at a time as a pool that has turned over places
-them): the named cases of extend_sweep.py (8k, 32k, chunk, workload) and a grid of requests of Q new tokens after
-a cached prefix of P (`qQ_pP`, about 8,192 new tokens a step). For each: the extend kernel (the engine's tiles),
-the flash path as the engine runs it (`flash_extend`: both contexts gathered, then the varlen call), its parts
-(the gather alone, the flash call alone), the step's slot lookup (`context_slots`, once a step, not a layer), and
-where the case is one fresh prompt torch's SDPA through its flash and cuDNN backends on the same contiguous data.
-Printed: ms a layer (roofline.py's bench_ms: the median of 20 between CUDA events), TFLOP/s of the causal work,
-the largest difference from the extend kernel's output, and `q/ctx`, the queries a context token that
-kernel/flash.py's `worth_it` weighs against MINISGL_FLASH_PREFILL.
+bf16 pool of page size 1, each request's slots scattered over the pool): extend_sweep.py's cases (8k, 32k, chunk,
+workload and its grid of requests of Q new tokens after a cached prefix of P, `qQ_pP`). For each: the extend kernel
+(the engine's tiles); each request's context copied out of the pool (`gather`, both K and V) and the slots it needs
+found on the device (`lookup`, once a step); over the copies, cuDNN's flash attention on the packed requests (K/V
+with 8 heads, and repeated to 16) and torch's own flash kernel (`torch_flash`); `copy+torch_flash` both together,
+what an engine path would take; and where the case is one fresh prompt torch's SDPA through its flash and cuDNN
+backends. Printed: ms a layer (roofline.py's bench_ms: the median of 20 between CUDA events), TFLOP/s of the
+causal work, the largest difference from the extend kernel's output.
 """
 
 from __future__ import annotations
@@ -30,28 +29,43 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from extend_sweep import case as sweep_case  # noqa: E402
+from extend_sweep import GRID_P, GRID_Q, case  # noqa: E402
 from roofline import bench_ms  # noqa: E402
 
 from minisgl.kernel import attention as attn  # noqa: E402
-from minisgl.kernel.flash import FlashExtend, _cudnn, context_slots, flash_extend, probe  # noqa: E402
 
 HQ, HK, D = 16, 8, 128
-GRID_Q = [16, 32, 64, 128, 256, 512, 1024]
-GRID_P = [0, 1024, 4096]
 
 
-def case(name: str) -> tuple[list[int], list[int]]:
-    """(context lengths, new tokens) of each request."""
-    if name.startswith("q"):
-        q, p = (int(x) for x in name[1:].split("_p"))
-        n = max(1, min(256, 8192 // q))
-        return [p + q] * n, [q] * n
-    return sweep_case(name)
+def context_slots(
+    table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, cu_k: torch.Tensor, total: int
+) -> torch.Tensor:
+    """The pool slot of every context token, request by request, found on the device (no sync)."""
+    req = torch.repeat_interleave(
+        torch.arange(rows.shape[0], device=rows.device), lens.long(), output_size=total
+    )
+    pos = torch.arange(total, device=rows.device) - cu_k[req].long()
+    return table[rows[req].long(), pos]
+
+
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+          max_q: int, max_k: int) -> torch.Tensor:  # fmt: skip
+    """cuDNN's flash attention over packed requests, causal (its mask aligned to each request's first key)."""
+    return torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu_q, cu_k, max_q, max_k, False, 0.0, True, False, scale=D**-0.5
+    )[0]
+
+
+def torch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_q: int, max_k: int) -> torch.Tensor:  # fmt: skip
+    """torch's flash kernel over packed requests, causal (its mask aligned to each request's last key)."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=D**-0.5
+    )[0]
 
 
 def run_case(name: str) -> dict[str, Any]:
-    """One case's row: its sizes, the flash path's largest difference from the extend kernel, every timing."""
+    """One case's row: its sizes, each call's largest difference from the extend kernel, every timing."""
     i32: dict[str, Any] = dict(dtype=torch.int32, device="cuda")
     lens, q_lens = case(name)
     total = sum(lens)
@@ -72,23 +86,20 @@ def run_case(name: str) -> dict[str, Any]:
     pairs = sum(m * (n - m) + m * (m + 1) // 2 for n, m in zip(lens, q_lens))
     cu_q = torch.tensor([0] + [sum(q_lens[: i + 1]) for i in range(len(q_lens))], **i32)
     cu_k = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], **i32)
-    support = probe(torch.device("cuda"), torch.bfloat16, D, HQ // HK)
-    heads = None if support is None or support.gqa else torch.arange(HQ, device="cuda") // (HQ // HK)
-    meta = FlashExtend(
-        context_slots(table, rows, seq, cu_k, total), cu_q, cu_k, max(q_lens), max(lens), heads
-    )
-    kc, vc = k.index_select(0, meta.slots), v.index_select(0, meta.slots)
+    slots = context_slots(table, rows, seq, cu_k, total)
+    kc, vc = k.index_select(0, slots), v.index_select(0, slots)
     ke, ve = kc.repeat_interleave(HQ // HK, 1), vc.repeat_interleave(HQ // HK, 1)
+    packed = (cu_q, cu_k, max(q_lens), max(lens))
     calls: dict[str, Callable[[], Any]] = {
         "engine": lambda: attn.extend_attention(q, k, v, table, rows, seq, starts, qn, max(q_lens), D**-0.5),
-        "flash_path": lambda: flash_extend(q, k, v, meta, D**-0.5),
-        "gather": lambda: (k.index_select(0, meta.slots), v.index_select(0, meta.slots)),
-        "cudnn_gqa": lambda: _cudnn(q, kc, vc, cu_q, cu_k, max(q_lens), max(lens), D**-0.5),
-        "cudnn_repeated": lambda: _cudnn(q, ke, ve, cu_q, cu_k, max(q_lens), max(lens), D**-0.5),
-        "torch_flash": lambda: torch.ops.aten._flash_attention_forward(
-            q, kc, vc, cu_q, cu_k, max(q_lens), max(lens), 0.0, True, False, scale=D**-0.5
-        )[0],
+        "gather": lambda: (k.index_select(0, slots), v.index_select(0, slots)),
         "lookup": lambda: context_slots(table, rows, seq, cu_k, total),
+        "cudnn_gqa": lambda: cudnn(q, kc, vc, *packed),
+        "cudnn_repeated": lambda: cudnn(q, ke, ve, *packed),
+        "torch_flash": lambda: torch_flash(q, kc, vc, *packed),
+        "copy+torch_flash": lambda: torch_flash(
+            q, k.index_select(0, slots), v.index_select(0, slots), *packed
+        ),
     }
     if len(lens) == 1 and lens == q_lens:  # one fresh prompt: SDPA's causal mask is the same
         qs = q.view(1, -1, HQ, D).transpose(1, 2)
@@ -98,7 +109,8 @@ def run_case(name: str) -> dict[str, Any]:
 
             def sdpa(backend: SDPBackend = backend) -> torch.Tensor:
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                return out.transpose(1, 2).reshape(q.shape)
 
             calls[f"sdpa_{backend.name.lower()}"] = sdpa
     ref = calls["engine"]().float()
@@ -109,7 +121,6 @@ def run_case(name: str) -> dict[str, Any]:
         "context_tokens": total,
         "q_per_ctx": pairs / total,
         "tflop": 4 * D * HQ * pairs / 1e12,
-        "support": None if support is None else [support.gqa, support.prefix],
     }
     for label, fn in calls.items():
         try:
@@ -140,7 +151,7 @@ def main() -> None:
                 parts.append(f"{key[:-3]} {ms:.3f}{rate}")
         diffs = ", ".join(f"{key[:-5]} {d:.3g}" for key, d in row.items() if key.endswith("_diff"))
         errors = "; ".join(f"{key}: {e}" for key, e in row.items() if key.endswith("_error"))
-        print(f"{name}: {row['requests']} req, q/ctx {row['q_per_ctx']:.0f}, cuDNN (gqa, prefix) {row['support']}; "
+        print(f"{name}: {row['requests']} req, q/ctx {row['q_per_ctx']:.0f}; "
               f"ms (TFLOP/s): {', '.join(parts)}; largest difference from the extend kernel: {diffs}"
               + (f"; errors: {errors}" if errors else ""), flush=True)  # fmt: skip
         if args.json:

@@ -11,8 +11,9 @@ head dim 128, a bf16 pool of page size 1, each prompt's slots in one run as the 
   chunk    8,192 new tokens after a cached prefix of 24,576 (the last chunk of a 32k prompt);
   workload 8,192 tokens of 13 prompts of U[100, 1,024], the last cut to fit (a prefill step of
            the upstream workload).
-Each configuration (ExtendConfig: query and key tiles, warps, stages, unmasked tiles below the diagonal,
-longest blocks first) is checked against the engine's output, then timed (roofline.py's bench_ms: the median
+and `qQ_pP`, requests of Q new tokens after a cached prefix of P (about 8,192 new tokens a step; with `--short`,
+query tiles of 16-64 rows for the steps of short prompts). Each configuration (ExtendConfig: query and key tiles,
+warps, stages, unmasked tiles below the diagonal, longest blocks first) is checked against the engine's output, then timed (roofline.py's bench_ms: the median
 of 20 launches between CUDA events). torch's SDPA (its flash kernel, causal, GQA) runs on the same one-prompt data, contiguous.
 """
 
@@ -40,8 +41,17 @@ from minisgl.kernel import attention as attn  # noqa: E402
 HQ, HK, D = 16, 8, 128
 
 
+GRID_Q = [16, 32, 64, 128, 256, 512, 1024]
+GRID_P = [0, 1024, 4096]
+
+
 def case(name: str) -> tuple[list[int], list[int]]:
-    """(context lengths, new tokens) of each request of a case."""
+    """(context lengths, new tokens) of each request of a case; `qQ_pP`: requests of Q new tokens after a cached
+    prefix of P, about 8,192 new tokens in all (at most 256 requests)."""
+    if name.startswith("q"):
+        q, p = (int(x) for x in name[1:].split("_p"))
+        n = max(1, min(256, 8192 // q))
+        return [p + q] * n, [q] * n
     if name == "8k":
         return [8192], [8192]
     if name == "32k":
@@ -57,8 +67,16 @@ def case(name: str) -> tuple[list[int], list[int]]:
     return lens, lens
 
 
-def configs() -> list[attn.ExtendConfig]:
+def configs(short: bool = False) -> list[attn.ExtendConfig]:
+    """The sweep's tiles; `short`: query tiles of 16-64 rows too, for steps of short prompts (a 128-row tile of a
+    16-token prompt is mostly padding), without the variants that matter only on long prompts."""
     out = []
+    if short:
+        for (bm, warps), bn, stages in itertools.product(
+            [(16, 4), (32, 4), (64, 4), (64, 8), (128, 8)], [32, 64, 128], [2, 3]
+        ):
+            out.append(attn.ExtendConfig(bm, bn, warps, stages))
+        return [*out, attn.LARGE]  # the long prompts' tiles, which short ones took before
     for (bm, warps), bn, stages, even, longest in itertools.product(
         [(128, 8), (64, 4)], [64, 128], [2, 3], [False, True], [False, True]
     ):
@@ -69,6 +87,7 @@ def configs() -> list[attn.ExtendConfig]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="8k,32k,chunk,workload")
+    p.add_argument("--short", action="store_true", help="query tiles of 16-64 rows (configs(short=True))")
     p.add_argument("--json")
     args = p.parse_args()
     results: list[dict[str, Any]] = []
@@ -111,7 +130,7 @@ def main() -> None:
                             "tflop_s": tflop / sdpa_ms * 1e3})  # fmt: skip
             line.append(f"sdpa {sdpa_ms:.3f} ms ({tflop / sdpa_ms * 1e3:.0f})")
         found = []
-        for cfg in configs():
+        for cfg in configs(args.short):
             attn.EXTEND_CONFIG = cfg
             r: dict[str, Any] = {"case": name, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
                                  cfg.num_stages, int(cfg.even), int(cfg.longest_first)]}  # fmt: skip

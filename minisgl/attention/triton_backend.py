@@ -35,15 +35,6 @@ from minisgl.kernel.cuda.decode import (
     CudaDecode,
     TensorCoreDecode,
 )
-from minisgl.kernel.flash import (
-    FLASH_DTYPES,
-    MAX_COPY_BYTES,
-    FlashExtend,
-    context_slots,
-    flash_extend,
-    probe,
-    worth_it,
-)
 from minisgl.kernel.store import store_kv
 from minisgl.kvcache.mha_pool import FP8_DTYPE, MHAKVCache
 from minisgl.utils.logger import init_logger
@@ -66,8 +57,6 @@ class TritonAttnMetadata:
     # prefill: a mixed step's decode rows (Batch.num_decode_rows), for the decode kernels; the fields above are then
     # those of the requests before them
     decode: TritonAttnMetadata | None = None
-    # an eager prefill step through torch's flash kernel (kernel/flash.py), where it pays
-    flash: FlashExtend | None = None
 
 
 def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
@@ -146,20 +135,6 @@ class TritonAttnBackend(BaseAttnBackend):
             else _cuda_decode(kv_cache, device, group)
         )
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
-        # eager prefill steps with at least this many queries a context token through torch's flash kernel; a
-        # 16-bit (or FP8) pool on CUDA only: the flash kernel computes in bf16 or fp16
-        # (the query group is known only with the model's heads: a backend built without it keeps the extend kernel)
-        flash_dtype = kv_cache.attention_dtype(torch.bfloat16)
-        self.flash = None if group is None else probe(device, flash_dtype, kv_cache.head_dim, group)
-        self.flash_min_queries = int(ENV.FLASH_PREFILL.value) if self.flash is not None else 0
-        self.flash_heads = None
-        heads = kv_cache.num_kv_heads
-        if self.flash is not None and not self.flash.gqa:  # K/V copied out once a query head
-            heads *= group
-            self.flash_heads = torch.arange(heads, device=device) // group
-        # K and V of a context token as the flash kernel reads them
-        token_bytes = 2 * heads * kv_cache.head_dim * flash_dtype.itemsize
-        self.flash_max_context = MAX_COPY_BYTES // token_bytes
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -187,40 +162,9 @@ class TritonAttnBackend(BaseAttnBackend):
             pin_memory=pin(self.device),
         )
         packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
-        flash = None
-        prefix = self.flash is not None and self.flash.prefix
-        if not batch.padded_tokens and worth_it(
-            q_lens, lens, self.flash_min_queries, self.flash_max_context, prefix
-        ):
-            flash = self._flash_metadata(batch, packed, q_lens, lens)
         batch.attn_metadata = TritonAttnMetadata(
-            packed,
-            packed[0],
-            packed[1],
-            packed[2],
-            packed[3],
-            max_q_len=max(q_lens),
-            decode=decode,
-            flash=flash,
+            packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens), decode=decode
         )
-
-    def _flash_metadata(
-        self, batch: Batch, packed: torch.Tensor, q_lens: list[int], lens: list[int]
-    ) -> FlashExtend:
-        """The flash path's arguments: both cumulative lengths in one copy, and the context slots: a step of fresh
-        prompts writes its whole contexts, so they are its write slots; else they are found on the device."""
-        cu_q, cu_k = [0], [0]
-        for m, n in zip(q_lens, lens):
-            cu_q.append(cu_q[-1] + m)
-            cu_k.append(cu_k[-1] + n)
-        cu = to_device_async(int_tensor(cu_q + cu_k, torch.int32), self.device)
-        b = len(lens)
-        cu_q_t, cu_k_t = cu[: b + 1], cu[b + 1 :]
-        if q_lens == lens:
-            slots = batch.out_loc[: cu_k[-1]]
-        else:
-            slots = context_slots(self.page_table, packed[0], packed[1], cu_k_t, cu_k[-1])
-        return FlashExtend(slots, cu_q_t, cu_k_t, max(q_lens), max(lens), self.flash_heads)
 
     def _decode_metadata(self, rows: list[int], lens: list[int]) -> TritonAttnMetadata:
         """A decode step's metadata (rows and context lengths, the programs' order where ordered) in one copy."""
@@ -316,31 +260,14 @@ class TritonAttnBackend(BaseAttnBackend):
         q = q.to(self.kv_cache.attention_dtype(q.dtype))
         if batch.is_decode:
             return self._decode(q, layer_id, batch).to(out_dtype)
+        assert meta.q_starts is not None and meta.q_lens is not None
         decode = meta.decode
         tail = None
         if decode is not None:
             # the decode rows are the packed batch's last tokens, one a request
             tail = self._decode(q[q.shape[0] - decode.rows.shape[0] :], layer_id, batch, meta=decode)
             q = q[: q.shape[0] - decode.rows.shape[0]]
-        if meta.flash is not None and q.dtype in FLASH_DTYPES:
-            out = flash_extend(q, k_cache, v_cache, meta.flash, self.scale, k_scale, v_scale)
-        else:
-            out = self._extend(q, k_cache, v_cache, meta, k_scale, v_scale)
-        if tail is not None:
-            out = torch.cat([out, tail.to(out.dtype)])
-        return out.to(out_dtype)
-
-    def _extend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TritonAttnMetadata,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        assert meta.q_starts is not None and meta.q_lens is not None
-        return extend_attention(
+        out = extend_attention(
             q,
             k_cache,
             v_cache,
@@ -354,6 +281,9 @@ class TritonAttnBackend(BaseAttnBackend):
             k_scale,
             v_scale,
         )
+        if tail is not None:
+            out = torch.cat([out, tail.to(out.dtype)])
+        return out.to(out_dtype)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

@@ -94,6 +94,11 @@ EXTEND_CONFIG: ExtendConfig | None = None  # set to force one tile configuration
 LARGE = ExtendConfig(128, 128, 8, 3, longest_first=True)
 SMALL = ExtendConfig(128, 64, 8, 2)
 LARGE_SHARED_BYTES = 200 * 1024
+# a step whose requests have at most SHORT_QUERIES new tokens each (a burst of short chat prompts, a chat turn
+# after a cached prefix) fills a 128-row query tile mostly with padding, one program an SM: smaller tiles, several
+# programs an SM (docs/benchmarks.md, "Prefill attention's tiles for short prompts")
+SHORT = ExtendConfig(64, 64, 4, 2)
+SHORT_QUERIES = 64
 
 
 @functools.cache
@@ -105,11 +110,13 @@ def _shared_bytes(device: torch.device) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
-def extend_config(q_dtype: torch.dtype, block_d: int, device: torch.device) -> ExtendConfig:
+def extend_config(q_dtype: torch.dtype, block_d: int, device: torch.device, max_q_len: int) -> ExtendConfig:
     if EXTEND_CONFIG is not None:
         return EXTEND_CONFIG
     if q_dtype == torch.float32 or block_d > 128:  # keep the tiles within shared memory
         return ExtendConfig(64, 32, 4, 2)
+    if max_q_len <= SHORT_QUERIES:
+        return SHORT
     return LARGE if _shared_bytes(device) >= LARGE_SHARED_BYTES else SMALL
 
 
@@ -651,7 +658,7 @@ def extend_attention(
     if t == 0:
         return out
     block_d = max(16, next_pow2(d))  # tl.dot wants K >= 16
-    cfg = extend_config(q.dtype, block_d, q.device)
+    cfg = extend_config(q.dtype, block_d, q.device, max_q_len)
     _extend_kernel[(div_ceil(max_q_len, cfg.block_m), hq, bs)](
         q,
         k_cache,
