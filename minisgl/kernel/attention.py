@@ -96,9 +96,10 @@ SMALL = ExtendConfig(128, 64, 8, 2)
 LARGE_SHARED_BYTES = 200 * 1024
 # a step whose requests have at most SHORT_QUERIES new tokens each (a burst of short chat prompts, a chat turn
 # after a cached prefix) fills a 128-row query tile mostly with padding, one program an SM: smaller tiles, several
-# programs an SM (docs/benchmarks.md, "Prefill attention's tiles for short prompts")
-SHORT = ExtendConfig(64, 64, 4, 2)
-SHORT_QUERIES = 64
+# programs an SM, 1.3-3x faster on such steps on an H100, level on the workload's prefill step (docs/benchmarks.md,
+# "Prefill attention's tiles for short prompts")
+SHORT = ExtendConfig(64, 32, 4, 3)
+SHORT_QUERIES = 128
 
 
 @functools.cache
