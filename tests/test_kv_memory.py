@@ -16,6 +16,7 @@ from tiny import assert_nothing_held, random_prompts
 from minisgl.core import Batch, ChunkedReq, SamplingParams
 from minisgl.env import ENV
 from minisgl.llm import LLM
+from minisgl.scheduler.prefill import PromptHeads
 
 BIG_BUDGET = 8192
 
@@ -144,6 +145,19 @@ def test_in_batch_prefix_share_computes_a_shared_prefix_once_and_off_computes_it
         assert_nothing_held(llm)
     with pytest.raises(ValueError, match="in_batch_prefix_share"):
         build(llama, in_batch_prefix_share=-1)
+
+
+def test_prompt_heads_find_what_a_walk_over_the_batch_finds() -> None:
+    """PromptHeads (the admitted prompts' heads by length) against comparing the head with every prompt."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4) for _ in range(rng.randint(0, 9))] for _ in range(40)]
+    heads = PromptHeads(prompts[:5])
+    for i, prompt in enumerate(prompts[5:], start=5):
+        for n in range(len(prompt) + 2):
+            head = prompt[:n]
+            want = any(p[: len(head)] == head for p in prompts[:i])
+            assert heads.starts_any(head) == want, (head, i)
+        heads.add(prompt)  # admitted after asking, as PrefillAdder does
 
 
 @pytest.mark.parametrize("max_extend_tokens", [BIG_BUDGET, 16])

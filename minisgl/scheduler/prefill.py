@@ -3,6 +3,7 @@ which admits from it."""
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,29 @@ from minisgl.utils.misc import align_up
 from minisgl.utils.torch_utils import to_device_async
 
 
+class PromptHeads:
+    """The prompts (cache keys) admitted to this prefill batch and the last, and for each head length asked about
+    the set of their first tokens of that length: whether an admitted prompt starts with a given head is then a
+    set lookup, where a walk over the batch made a burst of n prompts cost n^2 / 2 slices and compares."""
+
+    def __init__(self, prompts: list[list[Any]]) -> None:
+        self.prompts = list(prompts)
+        self.heads: dict[int, set[tuple[Any, ...]]] = {}
+
+    def add(self, key: list[Any]) -> None:
+        self.prompts.append(key)
+        for n, heads in self.heads.items():
+            if len(key) >= n:
+                heads.add(tuple(key[:n]))
+
+    def starts_any(self, head: list[Any]) -> bool:
+        n = len(head)
+        heads = self.heads.get(n)
+        if heads is None:
+            heads = self.heads[n] = {tuple(p[:n]) for p in self.prompts if len(p) >= n}
+        return tuple(head) in heads
+
+
 @dataclass
 class PrefillAdder:
     """Admits requests into one prefill batch within a token budget and the KV room left.
@@ -31,7 +55,10 @@ class PrefillAdder:
     cache_manager: CacheManager
     table_manager: TableManager
     in_batch_prefix_share: int  # see _waits_for_batch
-    batch_prompts: list[list[Any]] = field(default_factory=list)  # their cache keys
+    batch_prompts: PromptHeads = field(default_factory=lambda: PromptHeads([]))  # their cache keys
+    admitted: list[list[Any]] = field(default_factory=list)  # this batch's cache keys
+    # the admitted prompts' tokens (table row, ids), written into the token pool together by write_prompts
+    prompts_to_write: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def try_add_one(self, pending_req: PendingReq) -> Req | None:
         if self.token_budget <= 0:
@@ -57,12 +84,27 @@ class PrefillAdder:
             return None
         table_idx = self.table_manager.allocate()
         cm.attach_prefix(table_idx, match)
-        ids = torch.tensor(pending_req.input_ids, dtype=torch.int32)
-        # through pinned memory: a pageable copy would make the host wait for the step in flight
-        pool = self.table_manager.token_pool
-        pool[table_idx, : len(ids)] = to_device_async(ids, pool.device)
+        self.prompts_to_write.append((table_idx, pending_req.input_ids))
         self.reserved_size += need
-        return self._make_req(pending_req, table_idx, match.length, match.handle)
+        return self._make_req(pending_req, table_idx, match.length, match.handle, key)
+
+    def write_prompts(self) -> None:
+        """The admitted prompts into the token pool: one host tensor (ids, table rows, positions) and one copy
+        for the batch, where a copy a prompt cost a pinned staging and a launch each (a burst admits hundreds)."""
+        if not self.prompts_to_write:
+            return
+        ids = array("q")
+        for _, prompt in self.prompts_to_write:
+            ids.extend(prompt)
+        lens = torch.tensor([len(prompt) for _, prompt in self.prompts_to_write])
+        rows = torch.repeat_interleave(torch.tensor([row for row, _ in self.prompts_to_write]), lens)
+        cols = torch.arange(len(ids)) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        packed = torch.stack([torch.frombuffer(ids, dtype=torch.int64), rows, cols])
+        pool = self.table_manager.token_pool
+        # through pinned memory: a pageable copy would make the host wait for the step in flight
+        on_device = to_device_async(packed, pool.device)
+        pool[on_device[1], on_device[2]] = on_device[0].to(pool.dtype)
+        self.prompts_to_write.clear()
 
     def _continue_chunk(self, pending_req: PendingReq) -> Req:
         chunked = pending_req.chunked_req
@@ -70,7 +112,8 @@ class PrefillAdder:
         # its room was promised at admission; requests behind it must leave that room alone
         max_len = pending_req.input_len + pending_req.output_len
         self.reserved_size += self.cache_manager.room_needed(chunked.table_idx, max_len)
-        return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle)
+        key = cache_key(pending_req.input_ids, pending_req.cache_salt)
+        return self._make_req(pending_req, chunked.table_idx, chunked.cached_len, chunked.cache_handle, key)
 
     def _waits_for_batch(self, input_ids: list[Any], cached_len: int) -> bool:
         """Whether the prompt (its cache key: a salt shares nothing with another) shares in_batch_prefix_share
@@ -79,10 +122,13 @@ class PrefillAdder:
         if self.in_batch_prefix_share == 0 or self.cache_manager.cache_type == "naive":
             return False
         head = input_ids[: align_up(cached_len + self.in_batch_prefix_share, self.cache_manager.page_size)]
-        return len(head) < len(input_ids) and any(p[: len(head)] == head for p in self.batch_prompts)
+        return len(head) < len(input_ids) and self.batch_prompts.starts_any(head)
 
-    def _make_req(self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object) -> Req:
-        self.batch_prompts.append(cache_key(pending_req.input_ids, pending_req.cache_salt))
+    def _make_req(
+        self, pending_req: PendingReq, table_idx: int, cached_len: int, handle: object, key: list[Any]
+    ) -> Req:
+        self.batch_prompts.add(key)
+        self.admitted.append(key)
         extend_len = pending_req.input_len - cached_len
         chunk = min(extend_len, self.token_budget)
         self.token_budget -= chunk
@@ -142,7 +188,7 @@ class PrefillManager:
             cache_manager=self.cache_manager,
             table_manager=self.table_manager,
             in_batch_prefix_share=self.in_batch_prefix_share,
-            batch_prompts=list(self.last_prompts),
+            batch_prompts=PromptHeads(self.last_prompts),
         )
         reqs: list[Req] = []
         chunked_list: list[PendingReq] = []
@@ -157,7 +203,8 @@ class PrefillManager:
                 pending_req.chunked_req = req
                 chunked_list.append(pending_req)
             reqs.append(req)
-        self.last_prompts = [cache_key(r.input_ids, r.cache_salt) for r in reqs]
+        adder.write_prompts()
+        self.last_prompts = adder.admitted
         if not reqs:
             return None
         # an unfinished chunked request goes to the head of the queue and continues first next step
