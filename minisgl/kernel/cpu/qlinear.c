@@ -132,91 +132,6 @@ QL_INLINE void ql_pair(__m512 acc[2][4], const __m512i c[4], const __m512 s[4], 
     }
 }
 
-#ifndef QL_TREE
-#define QL_TREE 1
-#endif
-
-// The sums of eight registers' two halves (lanes 0-7 and 8-15) in one register: a..h are rows 0-3 against a
-// chunk's low codes (blocks 0 and 1), then rows 0-3 against its high codes (blocks 2 and 3); lane 4 * block + row
-// of the result is that row's block sum. Three levels of pairing (within 128-bit lanes by 32 and 64 bits, then
-// across them) where converting and scaling each register apart took three instructions a register.
-QL_INLINE __m512i ql_block_sums(const __m512i v[8]) {
-    __m512i l1[4], l2[2];
-    for (int i = 0; i < 4; ++i)
-        l1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    // each 128-bit lane j: the sums of its four elements for rows (a, b, c, d), then (e, f, g, h)
-    for (int i = 0; i < 2; ++i)
-        l2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(l1[2 * i], l1[2 * i + 1]),
-                                 _mm512_unpackhi_epi64(l1[2 * i], l1[2 * i + 1]));
-    // a block is two 128-bit lanes: (0, 1) and (2, 3) of each
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(l2[0], l2[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(l2[0], l2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Four int4 weight rows from n against M activation rows, a chunk of four blocks at a time through
-// ql_block_sums: out[m][r] as ql_rows gives it. Each chunk's 16 weight scales are loaded side by side (row by
-// row, then transposed to lane 4 * block + row) and the activations' four block scales spread to match.
-QL_INLINE void ql_rows4(const int8_t *q, const float *dx, const float *dxe, const uint8_t *w, const uint16_t *d,
-                        int M, int64_t n, int K, float out[2][4]) {
-    const int np = K / 64, nb = K / 32;
-    const int64_t row_bytes = K / 2;
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
-    const __m512i to_block_major = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    const __m512i block_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[2];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    int p = 0;
-    for (; p + 1 < np; p += 2) {
-        __m512i c[8];
-        int64_t sc[4];
-        for (int r = 0; r < 4; ++r) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(w + (n + r) * row_bytes + 32 * p));
-            c[r] = _mm512_and_si512(raw, lo4);
-            c[4 + r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-            memcpy(&sc[r], d + (n + r) * nb + 2 * p, sizeof sc[r]);
-        }
-        const __m512 s = _mm512_permutexvar_ps(
-            to_block_major, _mm512_cvtph_ps(_mm256_set_epi64x(sc[3], sc[2], sc[1], sc[0])));
-        for (int m = 0; m < M; ++m) {
-            const int8_t *qm = q + (int64_t)m * K + 64 * p;
-            const __m512i x0 = _mm512_loadu_si512((const void *)qm), x1 = _mm512_loadu_si512((const void *)(qm + 64));
-            __m512i v[8];
-            for (int r = 0; r < 4; ++r) {
-                v[r] = _mm512_dpbusd_epi32(z, c[r], x0);
-                v[4 + r] = _mm512_dpbusd_epi32(z, c[4 + r], x1);
-            }
-            const __m512 e = _mm512_permutexvar_ps(
-                block_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(dx + (int64_t)m * nb + 2 * p)));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql_block_sums(v)), _mm512_mul_ps(s, e), acc[m]);
-        }
-    }
-    // the rows' sums over the chunks: lanes r, 4 + r, 8 + r and 12 + r
-    for (int m = 0; m < M; ++m) {
-        const __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm512_extractf32x8_ps(acc[m], 1));
-        _mm_storeu_ps(out[m], _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)));
-    }
-    if (p < np) {  // an odd last pair (K / 64 odd): as ql_rows computes it, added
-        __m512 tail[2][4];
-        __m512i c0[4];
-        __m512 s0[4];
-        for (int m = 0; m < M; ++m)
-            for (int r = 0; r < 4; ++r) tail[m][r] = _mm512_setzero_ps();
-        const __m256i l4 = _mm256_set1_epi8(0x0F);
-        for (int r = 0; r < 4; ++r) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (n + r) * row_bytes + 32 * p));
-            c0[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, l4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(raw, 4), l4), 1);
-            int32_t two;
-            memcpy(&two, d + (n + r) * nb + 2 * p, sizeof two);
-            s0[r] = ql_spread(_mm_cvtph_ps(_mm_cvtsi32_si128(two)), 0);
-        }
-        ql_pair(tail, c0, s0, q, dxe, 1, M, 4, K, p);
-        for (int m = 0; m < M; ++m)
-            _mm_storeu_ps(out[m], _mm_add_ps(_mm_loadu_ps(out[m]), ql_sum4(tail[m][0], tail[m][1], tail[m][2], tail[m][3])));
-    }
-}
-
 // R weight rows from n against M activation rows (compile-time constants where called), int4 codes
 // (q4 = 1) or int8 ones: out[m][r] gets the block sums times both scales, before offsets or row scales.
 QL_INLINE void ql_rows(const int8_t *q, const float *dxe, const uint8_t *w, const uint16_t *d, int q4, int M,
@@ -290,15 +205,12 @@ QL_INLINE __m128 ql_offsets4(const uint16_t *off, const float *sx, int nb) {
 }
 
 // R output columns from n for M rows: the int4 sums plus their offsets, or the int8 sums times the scale
-QL_INLINE void ql_tile(const int8_t *q, const float *dx, const float *sx, const float *dxe, const uint8_t *w,
-                       const uint16_t *d, const uint16_t *off, const float *scale, const float *shift, int q4, int M,
-                       int R, int64_t n, int N, int K, void *y, int y_kind) {
+QL_INLINE void ql_tile(const int8_t *q, const float *sx, const float *dxe, const uint8_t *w, const uint16_t *d,
+                       const uint16_t *off, const float *scale, const float *shift, int q4, int M, int R,
+                       int64_t n, int N, int K, void *y, int y_kind) {
     float out[2][4];
     const int nb = K / 32;
-    if (QL_TREE && q4 && R == 4)
-        ql_rows4(q, dx, dxe, w, d, M, n, K, out);
-    else
-        ql_rows(q, dxe, w, d, q4, M, R, n, K, out);
+    ql_rows(q, dxe, w, d, q4, M, R, n, K, out);
     for (int m = 0; m < M; ++m) {
         float o[4] = {0, 0, 0, 0};
         if (q4 && R == 4) {
@@ -320,8 +232,7 @@ QL_INLINE void ql_tile(const int8_t *q, const float *dx, const float *sx, const 
 // four), while the weight rows, just read, stay in the L1 cache for the next two; so each weight is read
 // from memory once whatever M.
 #define QL_TILE(Q4, M0, MM, R)                                                                                 \
-    ql_tile(q + (int64_t)(M0) * K, dx + (int64_t)(M0) * (K / 32), sx + (int64_t)(M0) * (K / 32),               \
-            dxe + (int64_t)(M0) * (K / 64) * 16, w, d,                                                         \
+    ql_tile(q + (int64_t)(M0) * K, sx + (int64_t)(M0) * (K / 32), dxe + (int64_t)(M0) * (K / 64) * 16, w, d,  \
             off, scale, shift + (M0), Q4, MM, R, n, N, K, (char *)y + (int64_t)(M0) * N * (y_kind ? 2 : 4),     \
             y_kind)
 #define QL_TILES(Q4, R)                                                                                        \
@@ -351,8 +262,7 @@ QL_INLINE void ql_prefetch(const uint8_t *w, const uint16_t *d, const uint16_t *
 }
 
 // shift: [M] the sums of sx over each row's blocks (the int8 weights' correction)
-static void ql_matmul(const int8_t *q, const float *dx, const float *sx, const float *dxe, const float *shift,
-                      const uint8_t *w,
+static void ql_matmul(const int8_t *q, const float *sx, const float *dxe, const float *shift, const uint8_t *w,
                       const uint16_t *d, const uint16_t *off, const float *scale, int q4, int M, int N, int K,
                       void *y, int y_kind, int num_threads) {
     const int64_t tiles = N / 4;
@@ -435,7 +345,7 @@ static int ql_run(const void *x, int x_kind, int64_t ld, int M, int K, const uin
         shift[m] = 0.0f;
         for (int b = 0; b < K / 32; ++b) shift[m] += sx[(int64_t)m * (K / 32) + b];
     }
-    ql_matmul(q, dx, sx, dxe, shift, w, d, off, scale, q4, M, N, K, y, y_kind, num_threads);
+    ql_matmul(q, sx, dxe, shift, w, d, off, scale, q4, M, N, K, y, y_kind, num_threads);
 #else
     ql_matmul_plain(q, dx, sx, w, d, off, scale, q4, M, N, K, y, y_kind, num_threads);
 #endif
