@@ -47,7 +47,8 @@ class PrefillAdder:
     """Admits requests into one prefill batch within a token budget and the KV room left.
 
     Per request: match the cached prefix, check for a free table row and enough KV room
-    (prompt + max_tokens beside what is already promised), write the prompt into the token pool.
+    (prompt + max_tokens beside what is already promised); then the admitted prompts go into the token pool
+    together (write_prompts).
     """
 
     token_budget: int
