@@ -112,7 +112,8 @@ class Batch:
     packed_inputs: torch.Tensor | None = field(init=False, default=None)
     # reqs plus dummy rows that pad a CUDA-graph batch
     padded_reqs: list[Req] = field(init=False)
-    # a prefill that replays a CUDA graph: its tokens padded to this many (0: not padded)
+    # a prefill's tokens padded to this many (0: not padded): for its CUDA graph, or rounded up when eager
+    # (engine/prefill_graph.py)
     padded_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:

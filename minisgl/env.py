@@ -134,6 +134,14 @@ class _Env:
             "time than Triton's kernel at 64-256 rows and 3-12% less than decode.cu's, bf16 5-14% less than "
             "Triton's and 0-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
+        self.PREFILL_ROUND = EnvVar(
+            "MINISGL_PREFILL_ROUND",
+            256,
+            "where prefill CUDA graphs can run (engine/prefill_graph.py), pad the tokens of an eager prefill "
+            "step as a graph's are (16, 32, ... doubling up to this many, then a multiple of it): cuBLAS picks its "
+            "kernels once a row count, and a count new to the process costs the host more a product than one "
+            "it has seen (docs/benchmarks.md); 0: no padding",
+        )
         self.MIXED_DECODE_SPLIT = EnvVar(
             "MINISGL_MIXED_DECODE_SPLIT",
             True,

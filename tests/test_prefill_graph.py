@@ -13,7 +13,7 @@ from interpreter import CUDA, DEVICE
 from tiny import random_prompts
 
 from minisgl.core import Batch, SamplingParams
-from minisgl.engine.prefill_graph import MAX_REQS, PrefillGraphRunner, default_token_counts
+from minisgl.engine.prefill_graph import MAX_REQS, PrefillGraphRunner, default_token_counts, rounded_tokens
 from minisgl.env import ENV
 
 
@@ -175,6 +175,99 @@ def test_which_steps_replay_a_graph() -> None:
     runner.pad_batch(batch)
     assert batch.padded_tokens == 16 and batch.size == 2 and batch.padded_size == MAX_REQS
     assert all(r.extend_len == 0 and r.table_idx == 99 for r in batch.padded_reqs[2:])
+    assert runner.can_use(batch)
+
+
+def test_eager_prefill_steps_round_their_tokens() -> None:
+    """A step that runs eagerly keeps its requests and has its tokens padded to the graphs' counts (doubling from
+    16 to eager_round, then its multiples), except a mixed step (decode rows after its prompts) and one asking for prompt logprobs; a rounded count
+    that equals a graph's does not replay it (the graph's metadata holds MAX_REQS requests)."""
+    from minisgl.core import Req
+
+    def req(n: int, cached: int = 0, **params) -> Req:
+        return Req(
+            input_ids=list(range(cached + n)),
+            table_idx=0,
+            cached_len=cached,
+            output_len=4,
+            uid=0,
+            sampling_params=SamplingParams(**params),
+            cache_handle=None,
+            seed=0,
+        )
+
+    # the graphs' counts, continued past the largest graph: a step pads alike whether graphs run or not
+    counts = default_token_counts(2048)
+    assert all(rounded_tokens(t, 256) == next(c for c in counts if c >= t) for t in range(1, 2049))
+    assert rounded_tokens(2049, 256) == 2304 and rounded_tokens(8192, 256) == 8192
+    assert rounded_tokens(100, 64) == 128 and rounded_tokens(65, 64) == 128 and rounded_tokens(40, 64) == 64
+
+    # where graphs run, with a backend that takes padding tokens, and only with a scratch row to send them to
+    class Padding:
+        takes_padded_prefill = True
+
+    def eager_round(backend: object, scratch_row: bool) -> int:
+        cuda = torch.device("cuda")
+        return PrefillGraphRunner(cuda, 0, backend, lambda: torch.zeros(1), 99, scratch_row).eager_round  # type: ignore[arg-type]
+
+    assert eager_round(Padding(), True) == ENV.PREFILL_ROUND.value == 256
+    assert eager_round(Padding(), False) == 0  # a padding token's K/V would land in a request's slot
+    assert eager_round(object(), True) == 0
+    runner = PrefillGraphRunner(torch.device("cpu"), 0, None, lambda: torch.zeros(1), 99)  # type: ignore[arg-type]
+    runner.token_counts = default_token_counts(512)
+    runner.graphs = dict.fromkeys(runner.token_counts)
+    runner.max_tokens = 512
+    assert runner.eager_round == 0  # on a CPU without emulated graphs: nothing is padded
+    runner.eager_round = 256
+
+    def padded(*reqs: Req) -> Batch:
+        batch = Batch(reqs=list(reqs), phase="prefill")
+        runner.pad_batch(batch)
+        return batch
+
+    many = padded(*[req(30) for _ in range(MAX_REQS + 1)])  # 270 tokens, too many requests for a graph
+    assert many.padded_tokens == 512 and many.padded_size == MAX_REQS + 1
+    assert not runner.can_use(many)  # 512 is a graph's count, but this step is eager
+    assert padded(req(300), req(300)).padded_tokens == 768  # over the largest graph
+    assert padded(req(512), req(512)).padded_tokens == 1024  # a multiple already
+    assert padded(req(5)).padded_tokens == 16  # a graph's padding first
+    assert padded(*[req(1) for _ in range(MAX_REQS + 1)]).padded_tokens == 16  # the graphs' counts below 256
+    assert padded(*[req(10) for _ in range(MAX_REQS + 1)]).padded_tokens == 128
+    assert padded(*[req(30) for _ in range(MAX_REQS)], req(30, prompt_logprobs=1)).padded_tokens == 0
+    # a mixed step: its last request is past its prompt (decoding one token)
+    decoding = req(5)
+    decoding.complete_one()  # its prompt computed, one token sampled: it decodes
+    assert padded(*[req(30) for _ in range(MAX_REQS)], decoding).padded_tokens == 0
+    runner.eager_round = 0
+    assert padded(*[req(30) for _ in range(MAX_REQS + 1)]).padded_tokens == 0
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the default rounding runs in the graph test above")
+def test_rounded_eager_prefill_gives_the_tokens_of_transformers(
+    tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of more requests than a graph takes, their tokens rounded up with padding tokens on the scratch
+    slot, through the CUDA path's layer code (Triton's interpreter): transformers' tokens."""
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(MAX_REQS + 4, seed=11, min_len=5, max_len=20)
+    llm = make_llm(folder, page_size=1, max_running_req=16, device=DEVICE.type)
+    engine = llm.engine
+    runner: PrefillGraphRunner = engine.prefill_graphs
+    engine.page_table[runner.dummy_table_idx].fill_(engine.num_pages - 1)  # as _pad_every_prefill
+    monkeypatch.setattr(runner, "eager_round", 64)
+    rounded: list[int] = []
+    pad_batch = runner.pad_batch
+
+    def recorded(batch: Batch) -> None:
+        pad_batch(batch)
+        if batch.is_prefill:
+            rounded.append(batch.padded_tokens - sum(r.extend_len for r in batch.reqs))
+
+    monkeypatch.setattr(runner, "pad_batch", recorded)
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 4)
+    assert rounded and max(rounded) > 0, "no step was padded: the test tested nothing"
 
 
 def test_static_inputs_start_on_the_scratch_slot_and_take_a_steps_inputs() -> None:

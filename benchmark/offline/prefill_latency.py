@@ -1,7 +1,7 @@
 """One request at a time on a GPU: the time to its first token by prompt length, and its decode rate.
 
     python benchmark/offline/prefill_latency.py --model ckpt/qwen3-0.6b [--lens 16,128,1024]
-        [--cuda-graph-max-prefill N] [--peer transformers] [--json out.json]
+        [--cuda-graph-max-prefill N] [--peer transformers] [--spread N] [--json out.json]
 
 Each prompt is new (no prefix shared) and asks for one token; the median of 10 is printed a length. A
 prefill step of up to --cuda-graph-max-prefill tokens replays a CUDA graph (the engine's default: 2048;
@@ -33,17 +33,22 @@ def prompt_of(seed: int, n: int) -> list[int]:
 
 
 def time_requests(
-    name: str, first: Callable[[list[int]], Any], decode: Callable[[list[int]], Any], lens: list[int]
+    name: str,
+    first: Callable[[list[int]], Any],
+    decode: Callable[[list[int]], Any],
+    lens: list[int],
+    spread: int = 0,
 ) -> dict[str, float]:
     """The median first-token time of 10 new prompts a length (`first` asks for one token), then one
-    request's milliseconds a token over `decode`'s 129 tokens (its first token's time taken off)."""
+    request's milliseconds a token over `decode`'s 129 tokens (its first token's time taken off).
+    With `spread`, the i-th prompt of a length is (i * 37) % spread tokens longer: ten different counts."""
     out: dict[str, float] = {}
     seed = 0
     for n in lens:
         times = []
-        for _ in range(10):
+        for i in range(10):
             seed += 1
-            prompt = prompt_of(seed, n)
+            prompt = prompt_of(seed, n + (i * 37) % spread if spread else n)
             start = time.perf_counter()
             first(prompt)
             times.append((time.perf_counter() - start) * 1e3)
@@ -90,6 +95,13 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-prefill", type=int, help="the engine's default when left out")
     p.add_argument("--peer", choices=["none", "transformers"], default="none")
     p.add_argument(
+        "--spread",
+        type=int,
+        default=0,
+        help="the ten prompts of a length up to this many tokens longer, each a different count (as users' "
+        "prompts are): an eager step's GEMMs then meet row counts new to cuBLAS",
+    )
+    p.add_argument(
         "--extend-tiles",
         metavar="BLOCK_M,BLOCK_N,WARPS,STAGES,EVEN,LONGEST_FIRST",
         help="force one prefill-attention tile configuration (kernel/attention.py's ExtendConfig)",
@@ -124,11 +136,12 @@ def main() -> None:
         lambda prompt: llm.generate([prompt], one, use_tqdm=False),
         lambda prompt: llm.generate([prompt], decode, use_tqdm=False),
         lens,
+        args.spread,
     )
     llm.shutdown()
     if args.peer == "transformers":
         peer = transformers_calls(args.model)
-        result["transformers"] = time_requests("transformers", *peer, lens)
+        result["transformers"] = time_requests("transformers", *peer, lens, args.spread)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

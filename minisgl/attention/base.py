@@ -48,6 +48,9 @@ class BaseAttnBackend(ABC):
     # whether a mixed step's decode rows (Batch.num_decode_rows) run the decode kernels, at the variants of their
     # count (the warm-up compiles those where mixed steps are on), rather than with the prompts
     splits_mixed_steps = False
+    # whether a prefill step's tokens may be followed by padding tokens of no request (their K/V on the scratch
+    # slot, their outputs ignored): the prefill graphs' padding, and an eager step's rounding (prefill_graph.py)
+    takes_padded_prefill = False
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:

@@ -104,6 +104,7 @@ def _tensor_core_decode(
 
 class TritonAttnBackend(BaseAttnBackend):
     supports_cuda_graphs = True
+    takes_padded_prefill = True
 
     def __init__(
         self,

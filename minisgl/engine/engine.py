@@ -162,6 +162,7 @@ class Engine:
             self.attn_backend,
             self.model.forward,
             config.max_running_req,
+            scratch_row=use_graphs,
         )
         self.compiled_decode = CompiledDecode(
             self.model.forward, self.device, self.attn_backend, self.tp_info.size

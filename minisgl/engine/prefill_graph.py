@@ -18,6 +18,12 @@ stream, as for the decode graphs (graph.py).
 Off on the CPU (emulated there with MINISGL_EMULATE_GRAPHS, as graph.py says), with
 cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits rows vary), and for
 attention backends without static prefill metadata.
+
+The steps that run eagerly (more requests or tokens than a graph takes) are padded the same way, without empty
+requests, to the graphs' token counts continued past the largest (every MINISGL_PREFILL_ROUND, 256, tokens): cuBLAS chooses its kernels for each row count it
+has not multiplied before, tens of microseconds of the host's time each of a step's products, so a burst of
+short prompts, whose steps' token counts are new each time, waited on the host (docs/benchmarks.md, "A burst
+of short prompts on a GPU"). Not for mixed steps (their decode rows are split off by count) nor prompt logprobs.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from minisgl.engine.graph import (
     graphs_possible,
     synchronize,
 )
+from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -57,6 +64,16 @@ def default_token_counts(max_tokens: int) -> list[int]:
         counts.append(n)
         n = n * 2 if n < 256 else n + 256
     return sorted(set(counts) | {max_tokens}) if max_tokens > 0 else []
+
+
+def rounded_tokens(tokens: int, step: int) -> int:
+    """An eager prefill step's padded token count: the graphs' counts (16, 32, ... doubling up to `step`, then
+    every `step`), so that a step pads to the same count whether graphs run or not and its products are the
+    same kernels either way."""
+    n = 16
+    while n < tokens and n < step:
+        n *= 2
+    return n if n >= tokens else -(-tokens // step) * step
 
 
 class StaticInputs:
@@ -89,10 +106,19 @@ class PrefillGraphRunner:
         attn_backend: BaseAttnBackend,
         forward: Callable[[], torch.Tensor],
         dummy_table_idx: int,
+        scratch_row: bool = True,
     ) -> None:
+        """`scratch_row`: every slot of the page table's row `dummy_table_idx` is the scratch slot (the engine keeps
+        one where decode graphs run); without it no step is padded, eager or not (a padding token's K/V would land
+        in a request's slot)."""
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         self.enabled = graphs_possible(device) and max_tokens > 0
+        # eager steps' padding where graphs run at all, with a backend that takes padding tokens
+        pads = (
+            scratch_row and graphs_possible(device) and getattr(attn_backend, "takes_padded_prefill", False)
+        )
+        self.eager_round = max(0, int(ENV.PREFILL_ROUND.value)) if pads else 0
         self.device = device
         self.token_counts = default_token_counts(max_tokens) if self.enabled else []
         self.max_tokens = self.token_counts[-1] if self.token_counts else 0
@@ -115,14 +141,19 @@ class PrefillGraphRunner:
 
     def pad_batch(self, batch: Batch) -> None:
         """A prefill step that will replay a graph gets empty requests up to max_reqs and its token
-        count set (prepare.py pads the tokens with the dummy row)."""
+        count set (prepare.py pads the tokens with the dummy row); one that runs eagerly, its token count
+        rounded up to a multiple of eager_round."""
         padded = self.padded_tokens(batch)
         if padded:
             batch.padded_reqs = batch.reqs + [self.empty_req] * (self.max_reqs - batch.size)
             batch.padded_tokens = padded
+        elif self.eager_round and batch.is_prefill and not batch.num_decode_rows:
+            if all(r.sampling_params.prompt_logprobs is None for r in batch.reqs):
+                batch.padded_tokens = rounded_tokens(sum(r.extend_len for r in batch.reqs), self.eager_round)
 
     def can_use(self, batch: Batch) -> bool:
-        return batch.is_prefill and batch.padded_tokens in self.graphs
+        # an eager step's rounded count may equal a graph's: only a step padded to max_reqs requests replays
+        return batch.is_prefill and batch.padded_size == self.max_reqs and batch.padded_tokens in self.graphs
 
     @torch.inference_mode()
     def capture(self, stream: torch.cuda.Stream | None, pool: Any = None) -> None:

@@ -245,7 +245,8 @@ class LLM(Scheduler):
             raise ValueError(
                 f"{len(prompts)} prompts but {len(sampling_params)} sampling_params; pass one or one each"
             )
-        for sp in {id(sp): sp for sp in sampling_params}.values():  # one object for every prompt: checked once
+        # one object for every prompt: checked once
+        for sp in {id(sp): sp for sp in sampling_params}.values():
             check_params(sp)
         priorities = self._priorities(priority, len(prompts))
         if self._ranks is not None and not self._ranks.alive():
