@@ -142,10 +142,15 @@ def _msgs_of(uid: int, ids: list[int], reason: str) -> list[DetokenizeMsg]:
     ]
 
 
+@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_batched_step_gives_each_request_what_its_own_steps_give(tokenizer: Any, seed: int) -> None:
+def test_a_batched_step_gives_each_request_what_its_own_steps_give(
+    tokenizer: Any, seed: int, mixed: bool
+) -> None:
     """Requests of different lengths, stop strings, special tokens and unfinished characters, stepped
-    together (one decode call a step) and one at a time, show the same pieces and end the same way."""
+    together (one decode call a step, the ending ones' last windows in one more) and one at a time, show the
+    same pieces and end the same way; `mixed`: every other request not streaming (the offline detokenizer,
+    which decodes its whole output when it ends unless it has stop strings)."""
     rng = random.Random(500 + seed)
     streams = []
     for uid in range(12):
@@ -154,8 +159,14 @@ def test_a_batched_step_gives_each_request_what_its_own_steps_give(tokenizer: An
         text = tokenizer.decode(ids, skip_special_tokens=True)
         stop = [text[len(text) // 2 : len(text) // 2 + 2]] if uid % 3 == 0 and len(text) > 4 else None
         streams.append((stop, _msgs_of(uid, ids, rng.choice(["length", "stop"]))))
-    alone = [IncrementalDetokenizer(tokenizer, stop) for stop, _ in streams]
-    together = [IncrementalDetokenizer(tokenizer, stop) for stop, _ in streams]
+    streaming = [not (mixed and uid % 2) for uid in range(len(streams))]
+    alone = [
+        IncrementalDetokenizer(tokenizer, stop, streaming=on) for (stop, _), on in zip(streams, streaming)
+    ]
+    together = [
+        IncrementalDetokenizer(tokenizer, stop, streaming=on) for (stop, _), on in zip(streams, streaming)
+    ]
+    assert not mixed or any(d.lazy for d in together)
     expected = [[d.step(m) for m in msgs if not d.stopped] for d, (_, msgs) in zip(alone, streams)]
     got: list[list[DetokenizeStep]] = [[] for _ in streams]
     for k in range(max(len(msgs) for _, msgs in streams)):

@@ -389,3 +389,29 @@ def test_plain_decode_tokens_travel_as_one_token_step_message(
     assert len(own[b]) == 6 and all(m.logprob is not None for m in own[b])
     assert len(out[1]["logprobs"]) == 6
     assert_nothing_held(llm)
+
+
+def test_one_sampling_params_for_every_prompt_is_checked_once_by_the_scheduler(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler checks a SamplingParams object shared by a call's prompts once (generate's messages come
+    together); objects of their own are each checked, and what depends on the prompt is checked for each."""
+    from minisgl.scheduler import check
+
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    checked: list[int] = []
+    params_check = check.check_params
+    monkeypatch.setattr(check, "check_params", lambda p: (checked.append(id(p)), params_check(p))[1])
+    shared = greedy(2)
+    out = llm.generate(ID_PROMPTS[:6], shared)
+    assert checked == [id(shared)] and all(len(o["token_ids"]) == 2 for o in out)
+    checked.clear()
+    own = [greedy(2) for _ in range(6)]
+    llm.generate(ID_PROMPTS[:6], own)
+    assert sorted(checked) == sorted(map(id, own))
+    # max_tokens is cut for each prompt by its own length, even when the object was checked already
+    long_prompt = ID_PROMPTS[0] * (llm.engine.max_seq_len // len(ID_PROMPTS[0]) - 1)
+    room = llm.engine.max_seq_len - len(long_prompt)
+    out = llm.generate([ID_PROMPTS[1], long_prompt], greedy(room + 5))
+    assert len(out[0]["token_ids"]) == room + 5 and len(out[1]["token_ids"]) == room
+    assert_nothing_held(llm)

@@ -25,13 +25,17 @@ def check_params(params: SamplingParams) -> None:
     check_grammar(params)
 
 
-def check_request(input_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
+def check_request(
+    input_ids: list[int], params: SamplingParams, limits: RequestLimits, params_checked: bool = False
+) -> int:
     """Raise RequestError saying what to change; return the max_tokens the request runs with.
 
     max_tokens is cut to what the context length leaves after the prompt; the caller keeps that
-    number on its request, so `params` stays as the user sent it.
+    number on its request, so `params` stays as the user sent it. `params_checked`: `check_params` passed on
+    this very object already (another prompt of the same call), so only what depends on the prompt is checked.
     """
-    check_params(params)
+    if not params_checked:
+        check_params(params)
     input_len, max_seq_len = len(input_ids), limits.max_seq_len
     if input_len == 0:
         raise RequestError("the prompt is empty; send at least one token", None, "empty_prompt")

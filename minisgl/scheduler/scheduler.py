@@ -122,8 +122,7 @@ class Scheduler(SchedulerIOMixin):
         self._defer_slot_free = True
         busy = self.prefill_manager.runnable or self.decode_manager.runnable
         blocking = last_data is None and not busy
-        for msg in self.receive_all(blocking):
-            self._process_one_msg(msg)
+        self._process_msgs(self.receive_all(blocking))
         forward_input = self._schedule_next_batch()
         if forward_input is None:
             self._inflight_reqs = []
@@ -139,8 +138,7 @@ class Scheduler(SchedulerIOMixin):
         # the plain loop has no in-flight batch, so the release takes effect at once
         self._defer_slot_free = False
         blocking = not (self.prefill_manager.runnable or self.decode_manager.runnable)
-        for msg in self.receive_all(blocking):
-            self._process_one_msg(msg)
+        self._process_msgs(self.receive_all(blocking))
         forward_input = self._schedule_next_batch()
         if forward_input is not None:
             self._process_last_data(self._launch(forward_input, None))
@@ -376,15 +374,30 @@ class Scheduler(SchedulerIOMixin):
         return None
 
     # ---- messages ----------------------------------------------------------------------------
-    def _process_one_msg(self, msg: BaseBackendMsg) -> None:
+    def _process_msgs(self, msgs: list[BaseBackendMsg]) -> None:
+        # the SamplingParams objects of these messages checked so far, by id (the messages hold them, so the ids
+        # stay theirs until the loop ends): LLM.generate sends one object for every prompt of a call
+        checked: set[int] = set()
+        for msg in msgs:
+            self._process_one_msg(msg, checked)
+
+    def _process_one_msg(self, msg: BaseBackendMsg, checked: set[int] | None = None) -> None:
+        """`checked`: the ids of the SamplingParams objects that passed `check_params` among the messages this one
+        arrived with (a server's messages each carry their own object, so only an offline call's repeat)."""
         if isinstance(msg, BatchBackendMsg):
             for m in msg.data:
-                self._process_one_msg(m)
+                self._process_one_msg(m, checked)
         elif isinstance(msg, ExitMsg):
             raise KeyboardInterrupt
         elif isinstance(msg, UserMsg):
             try:
-                max_tokens = check_request(msg.input_ids, msg.sampling_params, self.limits)
+                params_id = id(msg.sampling_params)
+                again = checked is not None and params_id in checked
+                max_tokens = check_request(
+                    msg.input_ids, msg.sampling_params, self.limits, params_checked=again
+                )
+                if checked is not None:
+                    checked.add(params_id)
                 self.grammars.add(msg.uid, msg.sampling_params)
             except RequestError as e:
                 logger.warning_rank0(f"request {msg.uid} refused: {e}")

@@ -174,12 +174,24 @@ def step_batch(
         texts = decode_all(tokenizer, seqs, skip)
         for j, k in enumerate(decoding[skip]):
             items[k][0]._take(texts[2 * j], texts[2 * j + 1], final=False)
+    texts_out: list[str] = []
+    ending: dict[bool, list[int]] = {True: [], False: []}
+    for k, ((det, msg), token) in enumerate(zip(items, tokens)):
+        texts_out.append(det._release(final=False) if token is not None and not det.lazy else "")
+        if msg.finished or det.stopped:
+            ending[det.skip_special_tokens].append(k)
+    # the ending requests' last windows in one decode call too (a lazy detokenizer's whole output): a burst of
+    # short requests ends together, and a call a request cost the offline replies a decode each
+    for skip, ks in ending.items():
+        windows = [(k, w) for k in ks if (w := items[k][0]._window()) is not None]
+        texts = decode_all(tokenizer, [seq for _, w in windows for seq in w], skip)
+        for j, (k, _) in enumerate(windows):
+            items[k][0]._take(texts[2 * j], texts[2 * j + 1], final=True)
     out = []
-    for (det, msg), token in zip(items, tokens):
-        text = det._release(final=False) if token is not None and not det.lazy else ""
+    for (det, msg), token, text in zip(items, tokens, texts_out):
         finished, reason = msg.finished or det.stopped, "stop" if det.stopped else msg.finish_reason
         if finished:
-            text += det.finish()
+            text += det._release(final=True)
         out.append(DetokenizeStep(text, token, finished, reason, det.stopped and not msg.finished))
     return out
 
