@@ -134,6 +134,13 @@ class _Env:
             "time than Triton's kernel at 64-256 rows and 3-12% less than decode.cu's, bf16 5-14% less than "
             "Triton's and 0-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
+        self.QUANT_CACHE = EnvVar(
+            "MINISGL_QUANT_CACHE",
+            True,
+            "keep a CPU engine's quantized layers under MINISGL_CACHE_DIR/quant after its first start-up and build "
+            "them from there at the next (minisgl/models/quant_cache.py: seconds of every start of the default "
+            "model); 0: quantize at every start",
+        )
         self.PREFILL_ROUND = EnvVar(
             "MINISGL_PREFILL_ROUND",
             256,

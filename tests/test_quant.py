@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -345,3 +346,70 @@ def test_the_cpu_choice_is_timed_once_and_its_reason_logged(caplog) -> None:
     assert first.dtype in (torch.bfloat16, torch.float32)
     assert resolve_dtype(None, torch.device("cpu")) == first.dtype
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
+
+
+def test_quantized_layers_are_cached_and_built_alike_at_the_next_start(tmp_path, monkeypatch, caplog) -> None:
+    """A GGUF model's quantized layers (int4 from the file, W8A8 copies from the calibration) are written under
+    the cache folder at the first start; the next start builds the same layers from that file without reading
+    the GGUF blocks or calibrating, and answers the same. A new file's key follows the model file's change; an
+    unreadable cache file is quantized again; MINISGL_QUANT_CACHE=0 writes nothing."""
+    from minisgl.models import quant_cache, quantize
+
+    monkeypatch.setattr(ENV.CACHE_DIR, "value", str(tmp_path / "cache"))
+    weights = hf_weights("llama", tied=False, seed=5, hidden=256, ffn=256, head_dim=64)
+    path = str(tmp_path / "q4_1.gguf")
+    write_tiny_gguf(path, "llama", weights, {n: T.Q4_1 for n in weights if n.endswith("_proj.weight")})
+    choice = CpuChoice(torch.bfloat16, True, True, "as the test says")
+    monkeypatch.setattr(cpu_probe, "cpu_choice", lambda: choice)
+    prompts = [[3, 4, 5, 9], [6, 7]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def start() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+        llm = LLM(path, dtype="bfloat16", max_running_req=4)
+        try:
+            layers = {}
+            for name, m in llm.engine.model.named_modules():
+                for part in ("qweight", "batch_qweight"):
+                    if getattr(m, part, None) is not None:
+                        layers[f"{name}.{part}"] = getattr(m, part).dequantize()
+            return [o["token_ids"] for o in llm.generate(prompts, params)], layers
+        finally:
+            llm.shutdown()
+
+    first, first_layers = start()
+    saved = list((tmp_path / "cache" / "quant").iterdir())
+    assert len(saved) == 1 and saved[0].suffix == ".pt"
+    # the next start reads neither the file's blocks nor the calibration prompt
+    monkeypatch.setattr(quantize, "_gguf_groups", lambda *a: pytest.fail("the GGUF blocks were read again"))
+    from minisgl.engine import calibrate
+
+    monkeypatch.setattr(calibrate, "input_peaks", lambda *a: pytest.fail("calibrated again"))
+    with caplog.at_level("INFO", logger="minisgl.engine.engine"):
+        again, again_layers = start()
+    assert "built from" in caplog.text
+    assert again == first and again_layers.keys() == first_layers.keys()
+    assert all(torch.equal(again_layers[k], first_layers[k]) for k in first_layers)
+    assert any(k.endswith("batch_qweight") for k in first_layers)  # W8A8 copies were among them
+    # the recipes' int4 codes, packed two to a byte on disk, come back as they were
+    codes = torch.randint(0, 16, (6, 64), dtype=torch.uint8)
+    assert torch.equal(quant_cache._unpack_codes(quant_cache._pack_codes(codes)), codes)
+    # a changed model file is another key; an unreadable cache file is quantized again
+    key = ("gguf batch_w8a8=True", torch.bfloat16, 512, (0, 1))
+    before = quant_cache.cache_path(path, *key)
+    saved[0].write_bytes(b"not a cache")
+    assert quant_cache.load(str(saved[0])) is None
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    assert quant_cache.cache_path(path, *key) != before
+    monkeypatch.setattr(ENV.QUANT_CACHE, "value", False)
+    assert quant_cache.cache_path(path, *key) is None
+    # a new key's file replaces the model's older ones (not another model's, nor another rank's)
+    folder = tmp_path / "cache" / "quant"
+    others = [folder / "q4_1-tp1-0123456789abcdef.pt", folder / "other-0123456789abcdef.pt"]
+    for other in others:
+        other.write_bytes(b"x")
+    newer = str(folder / "q4_1-fedcba9876543210.pt")
+    quant_cache.save(newer, {})
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [others[0].name, others[1].name, Path(newer).name]
+    )

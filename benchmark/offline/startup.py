@@ -5,7 +5,9 @@ Three figures, in one run, against a fresh conversion cache:
   Hugging Face folder of float32 safetensors;
 - cached load: the same call again, which finds the converted folder and returns it;
 - LLM() construction: the whole offline engine on the default model, its conversion cached
-  (config, tokenizer, weights, KV pool); the imports are done before the clock starts.
+  (config, tokenizer, weights, quantization, KV pool); the imports are done before the clock starts. The
+  first one quantizes the weights and caches the quantized layers in the same fresh folder
+  (models/quant_cache.py), the later ones build them from there (with MINISGL_QUANT_CACHE=0 each quantizes).
     python benchmark/offline/startup.py
 """
 

@@ -267,27 +267,36 @@ class Engine:
         pool and the backend exist: W8A8 first runs the float model over its calibration text."""
         model = self.model
         if plan is not None:
-            from minisgl.models.quantize import quantize_model
+            from minisgl.models import quant_cache
+            from minisgl.models.quantize import apply_recipes, quant_recipes
 
-            peaks = None
-            if plan.quantization == "w8a8" or plan.batch_w8a8:
-                from minisgl.engine.calibrate import input_peaks
-                from minisgl.models.smoothing import calibration_ids
-
-                start = time.perf_counter()
-                ids = calibration_ids(self.model_dir, self.model_config.vocab_size, self.max_seq_len - 2)
-                peaks = input_peaks(self, ids)
-                logger.info_rank0(
-                    f"W8A8 smoothing calibrated on {len(ids)} tokens in {time.perf_counter() - start:.2f} s"
-                )
             source = find_model(self.config.model_path)
-            summary = quantize_model(
-                model, plan.quantization, source, plan.keep_float, peaks, plan.batch_w8a8
-            )
+            tp = (self.tp_info.rank, self.tp_info.size)
+            key = f"{plan.quantization} batch_w8a8={plan.batch_w8a8}"
+            path = quant_cache.cache_path(source, key, self.config.dtype, self.max_seq_len, tp)
+            recipes = None if path is None else quant_cache.load(path)
+            cached = recipes is not None
+            if recipes is None:
+                peaks = None
+                if plan.quantization == "w8a8" or plan.batch_w8a8:
+                    from minisgl.engine.calibrate import input_peaks
+                    from minisgl.models.smoothing import calibration_ids
+
+                    start = time.perf_counter()
+                    ids = calibration_ids(self.model_dir, self.model_config.vocab_size, self.max_seq_len - 2)
+                    peaks = input_peaks(self, ids)
+                    logger.info_rank0(
+                        f"W8A8 smoothing calibrated on {len(ids)} tokens in {time.perf_counter() - start:.2f} s"
+                    )
+                recipes = quant_recipes(model, plan.quantization, source, peaks, plan.batch_w8a8)
+                if path is not None:
+                    quant_cache.save(path, recipes)
+            summary = apply_recipes(model, recipes, plan.keep_float)
             kept = ", W8A8 for prompts and large batches" if plan.batch_w8a8 else ""
             if plan.keep_float and not plan.batch_w8a8:
                 kept = ", float kept for large batches"
-            logger.info_rank0(f"weights quantized ({plan.quantization}{kept}): {summary}")
+            where = f", built from {path}" if cached else ""
+            logger.info_rank0(f"weights quantized ({plan.quantization}{kept}{where}): {summary}")
         if self.device.type == "cpu":
             from minisgl.models.onednn_pack import pack_model
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
-from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
+from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight, round_per_channel
 from minisgl.models.smoothing import smoothing_factors
 
 # rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
@@ -52,6 +52,18 @@ class _Groups:
     offset: np.ndarray
 
 
+# how one packed weight is built: its kind ("int4", "int8", "w8a8") and its constructor's tensors, kept apart from
+# the object so that a start-up can save them and the next one rebuild the objects from them (models/quant_cache.py)
+Recipe = tuple[str, tuple[torch.Tensor | None, ...]]
+_KINDS: dict[str, type[QuantizedWeight]] = {"int4": Int4Weight, "int8": Int8Weight, "w8a8": W8A8Weight}
+
+
+@dataclass
+class LayerRecipe:
+    weight: Recipe  # the packed weight decode steps read
+    batch: Recipe | None = None  # a W8A8 copy for prompts and large batches (batch_w8a8)
+
+
 def quantize_model(
     model: nn.Module,
     quantization: str,
@@ -64,17 +76,41 @@ def quantize_model(
     (module name -> the peaks of its input channels, engine/calibrate.py) smooths the W8A8 layers;
     `batch_w8a8` gives every packed layer a W8A8 copy for prompts and large batches in place of the float
     weight (`keep_float` then keeps nothing)."""
+    recipes = quant_recipes(model, quantization, gguf_path, input_peaks, batch_w8a8)
+    return apply_recipes(model, recipes, keep_float)
+
+
+def quant_recipes(
+    model: nn.Module,
+    quantization: str,
+    gguf_path: str | None,
+    input_peaks: dict[str, torch.Tensor] | None = None,
+    batch_w8a8: bool = False,
+) -> dict[str, LayerRecipe]:
+    """What `quantize_model` packs each linear layer into, as recipes (module name -> LayerRecipe)."""
     groups = _gguf_groups(gguf_path, model) if quantization == "gguf" else {}
-    modules = dict(model.named_modules())
-    counts: dict[str, int] = {}
     peaks = input_peaks or {}
-    for name, module in modules.items():
+    recipes: dict[str, LayerRecipe] = {}
+    for name, module in model.named_modules():
         if not isinstance(module, QuantizableLinear) or module.weight is None:
             continue
-        qweight = _pack(name, module, quantization, groups, peaks.get(name))
-        if qweight is None:
-            continue
-        batch = _w8a8(module.weight, peaks.get(name)) if batch_w8a8 else None
+        weight = _pack(name, module, quantization, groups, peaks.get(name))
+        if weight is not None:
+            batch = _w8a8(module.weight, peaks.get(name)) if batch_w8a8 else None
+            recipes[name] = LayerRecipe(weight, batch)
+    return recipes
+
+
+def apply_recipes(model: nn.Module, recipes: dict[str, LayerRecipe], keep_float: bool) -> str:
+    """Build each recipe's packed weights into its layer (their constructors lay them out for this machine's
+    kernels); returns the summary `quantize_model` logs."""
+    modules = dict(model.named_modules())
+    counts: dict[str, int] = {}
+    for name, recipe in recipes.items():
+        module = modules[name]
+        assert isinstance(module, QuantizableLinear), f"{name} is not a linear layer"
+        qweight = build(recipe.weight)
+        batch = None if recipe.batch is None else build(recipe.batch)
         # a tied LM head shares its float weight with the embedding, which needs it, and the int8 head is
         # slow on batches; a W8A8 copy beats the float one at every batch (docs/benchmarks.md, "W8A8"),
         # so where there is one nothing else reads the float weight
@@ -90,9 +126,24 @@ def quantize_model(
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no layer packed"
 
 
-def _w8a8(weight: torch.Tensor, input_peak: torch.Tensor | None) -> W8A8Weight:
-    smooth = None if input_peak is None else smoothing_factors(input_peak, weight)
-    return W8A8Weight.from_float(weight, smooth)
+def build(recipe: Recipe) -> QuantizedWeight:
+    kind, args = recipe
+    return _KINDS[kind](*args)
+
+
+def _int8(weight: torch.Tensor) -> Recipe:
+    q, scale = round_per_channel(weight)
+    return "int8", (q.to(torch.int8), scale)
+
+
+def _w8a8(weight: torch.Tensor, input_peak: torch.Tensor | None) -> Recipe:
+    """The codes of the weight (or of weight * s, s the smoothing factors, with 1 / s for the activations)."""
+    if input_peak is None:
+        q, scale = round_per_channel(weight)
+        return "w8a8", (q.to(torch.int8), scale, None)
+    smooth = smoothing_factors(input_peak, weight).float()
+    q, scale = round_per_channel(weight.float() * smooth)
+    return "w8a8", (q.to(torch.int8), scale, 1 / smooth)
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -105,15 +156,15 @@ def _pack(
     quantization: str,
     groups: dict[str, list[_Groups | None]],
     input_peak: torch.Tensor | None,
-) -> QuantizedWeight | None:
+) -> Recipe | None:
     assert module.weight is not None
     if quantization == "w8a8":
         if isinstance(module, ParallelLMHead) and not W8A8_HEAD:
-            return Int8Weight.from_float(module.weight)
+            return _int8(module.weight)
         return _w8a8(module.weight, input_peak)
     if quantization == "int8" or isinstance(module, ParallelLMHead):
         # the LM head as int8: at one row it is 1.6x faster than the bf16 kernel and int4 (measured)
-        return Int8Weight.from_float(module.weight)
+        return _int8(module.weight)
     shards = groups.get(name)
     if shards is None:
         return None
@@ -123,9 +174,9 @@ def _pack(
             torch.from_numpy(np.concatenate([getattr(p, f) for p in parts]))
             for f in ("codes", "scale", "offset")
         ]
-        return Int4Weight(cat[0], cat[1], cat[2])
+        return "int4", (cat[0], cat[1], cat[2])
     # Q8_0, or a merged layer whose parts are of different types: per-channel int8 of the float values
-    return Int8Weight.from_float(module.weight)
+    return _int8(module.weight)
 
 
 def _gguf_groups(path: str | None, model: nn.Module) -> dict[str, list[_Groups | None]]:
