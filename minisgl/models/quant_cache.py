@@ -7,8 +7,8 @@ recipes (`models/quantize.py`: each layer's kind and its constructor's tensors, 
 are saved once under the cache folder (MINISGL_CACHE_DIR, `quant/`) and later starts build the layers from them.
 
 The file's name is a digest of everything its contents follow: the model file or folder (path, sizes and
-modification times), the quantization plan, the model's dtype and maximum length (the calibration prompt is cut to
-it), the tensor-parallel rank, torch's version and CPU capability, the smoothing exponent, and the source of the
+modification times), the quantization plan, the model's dtype and maximum length where it cuts the calibration
+prompt, the tensor-parallel rank, torch's version and CPU capability, the smoothing exponent, and the source of the
 modules that compute the recipes, so that a change to any of them writes a new file rather than reading a stale one. MINISGL_QUANT_CACHE=0
 turns it off.
 """
@@ -59,7 +59,9 @@ def cache_path(
 
     h = hashlib.sha256()
     for line in [
-        f"format {_FORMAT} plan {plan} dtype {dtype} max_seq_len {max_seq_len} tp {tp}",
+        # the calibration prompt (about 1,400 characters of text and chat) is cut to max_seq_len - 2 tokens: from
+        # 2,048 on nothing is cut, so every longer context shares one file
+        f"format {_FORMAT} plan {plan} dtype {dtype} max_seq_len {min(max_seq_len, 2048)} tp {tp}",
         f"alpha {smoothing.ALPHA} w8a8_head {quantize.W8A8_HEAD}",  # module settings a script may change
         f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}",
         *_stat_lines(source),
