@@ -108,3 +108,40 @@ def test_a_decode_step_refuses_a_row_whose_pages_fall_behind() -> None:
         cm.allocate_paged([req], decode=True)
     assert len(cm.free_pages) == free  # the page taken for it went back
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_attached_prefix_pages_reach_the_table_in_one_write_with_the_steps_others(
+    page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admitted requests' cached prefix pages wait for the step's next page-table write (or flush_rows) and go
+    in the same copy, before it, so that the table ends as one write a request would leave it."""
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    cm = CacheManager(64 // page_size * 3, page_size, table, "radix")
+    writes: list[int] = []
+    write = cm._write_rows
+
+    def counted(rows: list[int], cols: list[int], pages: list[int]) -> None:
+        writes.append(len(rows))
+        write(rows, cols, pages)
+
+    monkeypatch.setattr(cm, "_write_rows", counted)
+    prefix = cm.free_pages.take(2)  # as if the prefix cache held them
+    for idx in range(3):
+        cm.attach_prefix(idx, MatchResult(None, list(prefix), 2 * page_size))
+    assert writes == [] and not table.any()  # nothing written yet
+    cm.flush_rows()
+    assert len(writes) == 1
+    for idx in range(3):
+        slots = [p * page_size + o for p in prefix for o in range(page_size)]
+        assert table[idx, : len(slots)].tolist() == slots
+    cm.flush_rows()  # nothing left to write
+    assert len(writes) == 1
+    # attached, then the step's own pages: one write for both
+    req = Req(input_ids=list(range(3 * page_size)), table_idx=3, cached_len=2 * page_size, output_len=1, uid=3,
+              sampling_params=SamplingParams(max_tokens=1), cache_handle=None, seed=0)  # fmt: skip
+    cm.attach_prefix(3, MatchResult(None, list(prefix), 2 * page_size))
+    cm.allocate_paged([req])
+    assert len(writes) == 2
+    slots = [p * page_size + o for p in cm.rows[3].pages for o in range(page_size)]
+    assert cm.rows[3].pages[:2] == prefix and table[3, : len(slots)].tolist() == slots

@@ -65,6 +65,9 @@ class CacheManager:
         # told each time a page above every page handed out so far is handed out (the pool maps ahead)
         self._will_use = will_use
         self._highest = -1
+        # the prefix pages of the requests admitted this step, (rows, columns, pages) for the page table, written
+        # together with the step's next write (flush_rows): a burst sharing a system prompt admits hundreds
+        self._attached: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     # ---- admission -------------------------------------------------------------------------
     @property
@@ -87,11 +90,20 @@ class CacheManager:
         self.prefix_cache.unlock(handle)
 
     def attach_prefix(self, table_idx: int, match: MatchResult) -> None:
-        """A newly admitted request starts with the matched pages of the cache in its row."""
+        """A newly admitted request starts with the matched pages of the cache in its row; they reach the page
+        table with the next write of it (`flush_rows` at the latest), in one copy with the other admissions'."""
         self.rows[table_idx] = RowPages(list(match.pages), len(match.pages))
         if match.pages:
-            n = len(match.pages)
-            self._write_rows([table_idx] * n, list(range(n)), list(match.pages))
+            rows, cols, pages = self._attached
+            rows += [table_idx] * len(match.pages)
+            cols += range(len(match.pages))
+            pages += match.pages
+
+    def flush_rows(self) -> None:
+        """Write the prefix pages attached since the last write to the page table (PrefillAdder.write_prompts,
+        before the step's forward reads them)."""
+        if self._attached[0]:
+            self._write_rows([], [], [])
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_paged(self, reqs: list[Req], decode: bool = False) -> None:
@@ -183,7 +195,10 @@ class CacheManager:
 
     def _write_rows(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
         """page_table[rows[j], cols[j]*page_size + o] = pages[j]*page_size + o: page j of the list is page
-        cols[j] of table row rows[j]."""
+        cols[j] of table row rows[j]. The attached prefix pages not yet written go first, in the same copy."""
+        if self._attached[0]:
+            rows, cols, pages = self._attached[0] + rows, self._attached[1] + cols, self._attached[2] + pages
+            self._attached = ([], [], [])
         ps = self.page_size
         if ps == 1:  # a slot a page: the lists are the indices (one tensor built, not three and a stack)
             host = int_tensor(rows + cols + pages).view(3, -1)

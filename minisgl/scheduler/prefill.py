@@ -91,7 +91,9 @@ class PrefillAdder:
 
     def write_prompts(self) -> None:
         """The admitted prompts into the token pool: one host tensor (ids, table rows, positions) and one copy
-        for the batch, where a copy a prompt cost a pinned staging and a launch each (a burst admits hundreds)."""
+        for the batch, where a copy a prompt cost a pinned staging and a launch each (a burst admits hundreds);
+        the admitted requests' cached prefix pages go to the page table together too."""
+        self.cache_manager.flush_rows()
         if not self.prompts_to_write:
             return
         ids = array("q")
