@@ -20,10 +20,11 @@ cuda_graph_max_prefill=0, for steps that ask for prompt logprobs (their logits r
 attention backends without static prefill metadata.
 
 The steps that run eagerly (more requests or tokens than a graph takes) are padded the same way, without empty
-requests, to the graphs' token counts continued past the largest (every MINISGL_PREFILL_ROUND, 256, tokens): cuBLAS chooses its kernels for each row count it
-has not multiplied before, tens of microseconds of the host's time each of a step's products, so a burst of
-short prompts, whose steps' token counts are new each time, waited on the host (docs/benchmarks.md, "A burst
-of short prompts on a GPU"). Not for mixed steps (their decode rows are split off by count) nor prompt logprobs.
+requests, to the graphs' token counts continued past the largest (every MINISGL_PREFILL_ROUND, 256, tokens):
+cuBLAS chooses its kernels for each row count it has not multiplied before, 200-300 us of the host's time for
+each of a step's products, so a burst of short prompts, whose steps' token counts are new each time, waited on
+the host (docs/benchmarks.md, "A burst of short prompts on a GPU"). Not for mixed steps (their decode rows are
+split off by count) nor prompt logprobs.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class PrefillGraphRunner:
     def pad_batch(self, batch: Batch) -> None:
         """A prefill step that will replay a graph gets empty requests up to max_reqs and its token
         count set (prepare.py pads the tokens with the dummy row); one that runs eagerly, its token count
-        rounded up to a multiple of eager_round."""
+        padded to `rounded_tokens`' count."""
         padded = self.padded_tokens(batch)
         if padded:
             batch.padded_reqs = batch.reqs + [self.empty_req] * (self.max_reqs - batch.size)
