@@ -180,8 +180,9 @@ def test_which_steps_replay_a_graph() -> None:
 
 def test_eager_prefill_steps_round_their_tokens() -> None:
     """A step that runs eagerly keeps its requests and has its tokens padded to the graphs' counts (doubling from
-    16 to eager_round, then its multiples), except a mixed step (decode rows after its prompts) and one asking for prompt logprobs; a rounded count
-    that equals a graph's does not replay it (the graph's metadata holds MAX_REQS requests)."""
+    16 to eager_round, then its multiples), except a mixed step (decode rows after its prompts) and one asking for
+    prompt logprobs; a rounded count that equals a graph's does not replay it (its metadata holds MAX_REQS
+    requests)."""
     from minisgl.core import Req
 
     def req(n: int, cached: int = 0, **params) -> Req:

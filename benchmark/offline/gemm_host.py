@@ -78,7 +78,8 @@ def main() -> None:
             bucketed = [host_us(call, -(-m // 256) * 256) for m in counts]
             row = {
                 "shape": [out_f, in_f], "form": form,
-                "first_new_us": statistics.median(first_fresh), "fresh_us": statistics.median(fresh), "seen_us": statistics.median(seen),
+                "first_new_us": statistics.median(first_fresh), "fresh_us": statistics.median(fresh),
+                "seen_us": statistics.median(seen),
                 "rounded_us": statistics.median(bucketed),
             }  # fmt: skip
             results.append(row)

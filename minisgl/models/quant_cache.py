@@ -9,8 +9,8 @@ are saved once under the cache folder (MINISGL_CACHE_DIR, `quant/`) and later st
 The file's name is a digest of everything its contents follow: the model file or folder (path, sizes and
 modification times), the quantization plan, the model's dtype and maximum length where it cuts the calibration
 prompt, the tensor-parallel rank, torch's version and CPU capability, the smoothing exponent, and the source of the
-modules that compute the recipes, so that a change to any of them writes a new file rather than reading a stale one. MINISGL_QUANT_CACHE=0
-turns it off.
+modules that compute the recipes, so that a change to any of them writes a new file rather than reading a stale
+one; a new file replaces the model's older ones. MINISGL_QUANT_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
