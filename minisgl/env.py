@@ -176,6 +176,19 @@ class _Env:
             "launch the compiled Triton kernels through minisgl's launcher (kernel/launch.py: Triton's own "
             "specialisation, a quarter less host time a launch on an H200 machine); 0: Triton's own call",
         )
+        self.GRAPH_PDL = EnvVar(
+            "MINISGL_GRAPH_PDL",
+            "",
+            "a regular expression of kernel names: in the captured CUDA graphs, each kernel-to-kernel edge into a "
+            "kernel so named becomes programmatic (it may start while the kernel before it runs; only kernels "
+            "that wait on the device for their inputs may be named: engine/graph_edges.py); empty: none",
+        )
+        self.PDL_KERNELS = EnvVar(
+            "MINISGL_PDL_KERNELS",
+            0,
+            "on CUDA, the Triton kernels of a decode step begin by waiting for their inputs on the device (1), and "
+            "then let the next kernel launch (2), for graph edges made programmatic (MINISGL_GRAPH_PDL); 0: neither",
+        )
         self.EMULATE_GRAPHS = EnvVar(
             "MINISGL_EMULATE_GRAPHS",
             False,

@@ -472,3 +472,29 @@ def test_the_engine_with_the_kernel_stays_with_transformers_and_the_triton_kerne
         if kv == "auto":
             errors = _rel(logits, _teacher_forced_logits(folder, prompt + tokens, len(prompt)))
             assert errors.max() < BF16_LOGITS_REL_ERR, errors.tolist()
+
+
+@needs_nvrtc
+def test_with_programmatic_waits_the_kernels_still_compile_for_hopper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MINISGL_PDL_KERNELS puts griddepcontrol.wait first in every decode kernel (a source of its own, so a cubin
+    of its own); off, the source is the one measured without it."""
+    plain = tc_program(TC_VARIANTS)
+    monkeypatch.setattr(ENV.PDL_KERNELS, "value", 1)
+    src = tc_program(TC_VARIANTS)
+    assert "#define MINISGL_PDL 1" in src and "#define MINISGL_PDL" not in plain
+    _, log = cuda_kernels.compile_cubin(src, "sm_90", ["--ptxas-options=-v"], "decode_tc.cu")
+    got = {block.split("'")[0] for block in log.split("Compiling entry function '")[1:]}
+    assert got == {tc_kernel_name(g, v) for g in TensorCoreDecode.GROUPS for v in TC_VARIANTS}
+    # the wait is in the code: the cubins with and without it differ (the CUDA-core kernels' too)
+    assert (
+        cuda_kernels.compile_cubin(src, "sm_90", [], "decode_tc.cu")[0]
+        != (cuda_kernels.compile_cubin(plain, "sm_90", [], "decode_tc.cu")[0])
+    )
+    waits = program((True,), ALL_VARIANTS[:1])
+    monkeypatch.setattr(ENV.PDL_KERNELS, "value", 0)
+    assert (
+        cuda_kernels.compile_cubin(waits, "sm_90", [], "decode.cu")[0]
+        != (cuda_kernels.compile_cubin(program((True,), ALL_VARIANTS[:1]), "sm_90", [], "decode.cu")[0])
+    )

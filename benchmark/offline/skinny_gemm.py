@@ -42,6 +42,11 @@ def graph_ms(fn: Callable[[], None], replays: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=stream):
         fn()
+    return replay_ms(g, replays)
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """The median time of one replay of the captured graph `g`."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

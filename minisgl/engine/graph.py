@@ -25,6 +25,7 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
+from minisgl.engine.graph_edges import make_programmatic, name_matcher
 from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
 
@@ -89,12 +90,17 @@ def capture_forward(
             forward()
             out = forward()
         return ReplayedForward(forward, batch, out), out
-    graph = torch.cuda.CUDAGraph()
+    pdl = ENV.GRAPH_PDL.value
+    graph = torch.cuda.CUDAGraph(keep_graph=bool(pdl))
     with get_global_ctx().forward_batch(batch):
         forward()
         torch.cuda.synchronize(stream.device)
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = forward()
+    if pdl:
+        # the edges change before the graph is instantiated (keep_graph defers that to here)
+        make_programmatic(graph.raw_cuda_graph(), name_matcher(pdl))
+        graph.instantiate()
     return graph, out
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import ROWS_WHOLE
-from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.launch import direct_launch, wait_for_inputs
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.utils.misc import div_ceil, next_pow2
 
@@ -27,7 +27,9 @@ def _silu_and_mul_kernel(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import dot_precision
-from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.launch import direct_launch, wait_for_inputs
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
@@ -232,7 +232,9 @@ def _decode_kernel(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     # KV heads vary fastest across programs: the heads of one token share DRAM pages and are read together
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -358,7 +360,9 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.launch import direct_launch, wait_for_inputs
 from minisgl.utils.misc import div_ceil, next_pow2
 
 # the largest batch served here: above it cuBLAS measured faster on every shape (docs/benchmarks.md)
@@ -81,7 +81,9 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     # row blocks vary fastest, so that the programs of one weight tile run side by side and the
     # tile comes from DRAM once, whatever the number of row blocks
     pid_m = tl.program_id(0)

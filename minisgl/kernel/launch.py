@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 try:
     from triton import knobs as _knobs
@@ -50,12 +51,16 @@ class Launcher:
         # under the interpreter a kernel is not a JITFunction and has no compiled launcher to call
         jit = isinstance(fn, triton.runtime.JITFunction)
         self.direct = jit and (bool(ENV.DIRECT_LAUNCH.value) if direct is None else direct)
+        # a kernel with a PDL parameter calls wait_for_inputs first: its level comes from the switch
+        self.pdl = ENV.PDL_KERNELS if jit and "PDL" in fn.arg_names else None
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fn = self.fn
+        if self.pdl is not None:
+            kwargs["PDL"] = self.pdl.value
         if not self.direct or _hooked():
             fn[grid](*args, **kwargs)
             return
@@ -108,6 +113,18 @@ class Launcher:
             self.kernels[key] = kernel
         except TypeError:  # not hashable: this kernel's launches keep taking Triton's path
             pass
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """A kernel's first call. PDL 1: where a graph edge into the kernel is programmatic (engine/graph_edges.py) it
+    may start before the kernel it reads from has finished; it waits here until that one has and its writes are
+    visible (on any other launch this returns at once). PDL 2: then also lets the next kernel launch, to wait
+    in its turn. 0 (the interpreter, and the default): nothing."""
+    if PDL >= 1:
+        tl.extra.cuda.gdc_wait()
+    if PDL >= 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def direct_launch(fn: Any) -> Launcher:

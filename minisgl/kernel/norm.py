@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.launch import direct_launch, wait_for_inputs
 from minisgl.utils.misc import div_ceil, next_pow2
 
 
@@ -30,7 +30,9 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     # row r of the [n_rows, N] view is x[r // n_inner, r % n_inner]: q/k heads are read in place from qkv
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)

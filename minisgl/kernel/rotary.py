@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import ROWS_WHOLE
-from minisgl.kernel.launch import direct_launch
+from minisgl.kernel.launch import direct_launch, wait_for_inputs
 from minisgl.kernel.norm import row_inv_rms
 from minisgl.kernel.store import check_fp8_pool, to_pool
 from minisgl.kvcache.mha_pool import FP8_MAX
@@ -120,7 +120,9 @@ def _rope_kernel(
     SCALE: tl.constexpr,
     S_N: tl.constexpr,
     S_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     # SPLIT: three programs a token (q, k with its store, v's store) whose loads are in flight at once;
     # otherwise one program does the three in turn, each waiting on its own loads

@@ -194,5 +194,6 @@ __device__ __forceinline__ void decode_body(DECODE_PARAMS) {
 
 #define DECODE_KERNEL(NAME, G, U, LANES, FP8)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) NAME(DECODE_PARAMS) {                                    \
+        wait_for_inputs();                                                                                     \
         decode_body<G, U, LANES, FP8>(DECODE_ARGS);                                                            \
     }

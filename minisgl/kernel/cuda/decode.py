@@ -15,6 +15,7 @@ import ctypes
 
 import torch
 
+from minisgl.env import ENV
 from minisgl.kernel.cuda import CudaModule, load_module, source
 from minisgl.utils.misc import next_pow2
 
@@ -31,6 +32,12 @@ SMALL_BATCH = 64  # up to this many requests, 4 keys a step (measured on an H200
 _LOG2E = 1.4426950408889634
 
 
+def pdl_define() -> str:
+    """The kernels wait for their inputs on the device first (decode_common.cuh's wait_for_inputs) where
+    MINISGL_PDL_KERNELS is on: a separate source, so a separate cached cubin."""
+    return "#define MINISGL_PDL 1" if ENV.PDL_KERNELS.value else ""
+
+
 def kernel_name(group: int, variant: tuple[int, int], fp8: bool) -> str:
     unroll, lanes = variant
     return f"decode_{'fp8' if fp8 else 'bf16'}_g{group}_u{unroll}_l{lanes}"
@@ -42,7 +49,7 @@ def program(
     groups: tuple[int, ...] = GROUPS,
 ) -> str:
     """decode.cu with a kernel for every query group, variant and pool asked for."""
-    lines = [source("decode_common.cuh"), source("decode.cu")]
+    lines = [pdl_define(), source("decode_common.cuh"), source("decode.cu")]
     for fp8 in fp8_pools:
         for g in groups:
             for unroll, lanes in variants:
@@ -179,7 +186,7 @@ def tc_program(
     variants: tuple[tuple[int, int], ...], groups: tuple[int, ...] = (1, 2, 4, 8), fp8: bool = True
 ) -> str:
     """decode_tc.cu with a kernel for every query group and variant asked for, over an FP8 or a bf16 pool."""
-    lines = [source("decode_common.cuh"), source("decode_tc.cu")]
+    lines = [pdl_define(), source("decode_common.cuh"), source("decode_tc.cu")]
     for g in sorted(set(groups)):
         for stages, min_blocks in variants:
             name = tc_kernel_name(g, (stages, min_blocks), fp8)

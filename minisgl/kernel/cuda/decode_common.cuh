@@ -29,6 +29,16 @@ __device__ __forceinline__ void write_dim(bf16_t* Out, float* MidO, float* MidLs
     }
 }
 
+// A kernel's first instruction, with MINISGL_PDL_KERNELS on (decode.py defines MINISGL_PDL): where a graph edge
+// into it is programmatic (engine/graph_edges.py) it may start before the kernel it reads from has finished, and
+// waits here until it has and its writes are visible; on any other launch this returns at once. Before Hopper
+// there is no such launch and no instruction.
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(MINISGL_PDL) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // every decode kernel's arguments, in the order minisgl/kernel/cuda/decode.py's launcher passes them (strides in
 // elements; KScale and VScale an FP8 pool's, else null), and their names to hand them on
 #define DECODE_PARAMS                                                                                               \

@@ -435,5 +435,6 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
 // (4 warps, K and V, 16 rows a stage), or the join's floats if larger.
 #define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS, FP8)                                                     \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(DECODE_PARAMS) {                        \
+        wait_for_inputs();                                                                                     \
         decode_tc_body<G, STAGES, FP8>(DECODE_ARGS);                                                           \
     }
