@@ -86,10 +86,11 @@ def kernel_name(driver: ctypes.CDLL, node: int) -> str | None:
     )
     name = ctypes.c_char_p()
     if p.func:
-        _check(driver.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(p.func)), "cuFuncGetName")
+        rc = driver.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(p.func))
     else:
-        _check(driver.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(p.kern)), "cuKernelGetName")
-    return (name.value or b"").decode(errors="replace")
+        rc = driver.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(p.kern))
+    # a kernel whose name cannot be read is named "": no pattern of waiters matches it, its edges stay
+    return (name.value or b"").decode(errors="replace") if rc == 0 else ""
 
 
 def edges(driver: ctypes.CDLL, graph: int) -> list[tuple[int, int, EdgeData]]:
@@ -121,18 +122,19 @@ def make_programmatic(graph: int, waits: Callable[[str], bool]) -> EdgeReport:
         return names[node]
 
     changed = 0
+    one = ctypes.c_size_t(1)  # a size_t argument: ctypes would pass a bare 1 as a 32-bit int
     for src, dst, data in all_edges:
         producer, consumer = name_of(src), name_of(dst)
         if producer is None or consumer is None or data.type != 0 or not waits(consumer):
             continue
         pair = (ctypes.c_void_p * 1)(src), (ctypes.c_void_p * 1)(dst)
         _check(
-            driver.cuGraphRemoveDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(data), 1),
+            driver.cuGraphRemoveDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(data), one),
             "cuGraphRemoveDependencies",
         )
         new = EdgeData(from_port=_PORT_PROGRAMMATIC, to_port=0, type=_DEPENDENCY_PROGRAMMATIC)
         _check(
-            driver.cuGraphAddDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(new), 1),
+            driver.cuGraphAddDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(new), one),
             "cuGraphAddDependencies",
         )
         changed += 1
