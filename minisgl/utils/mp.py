@@ -15,6 +15,7 @@ import zmq.asyncio
 from minisgl.message.utils import deserialize, serialize
 
 POLL_MS = 500  # a blocking wait wakes this often, so signals are handled promptly
+RECONNECT_MS = 5  # how often a PUSH socket retries a peer that has not bound yet
 
 
 def ipc_addr(folder: str, name: str) -> str:
@@ -28,6 +29,10 @@ def _socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     if kind == zmq.PULL:
         sock.bind(addr)
     else:
+        # a PUSH socket that connects before its peer has bound retries on ZMQ's timer, 100 ms by default:
+        # the API server binds its reply queue after the workers start, so a request sent the moment the
+        # server was ready had its first replies held until the next retry (TTFT 108-129 ms against 37-46)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         sock.connect(addr)
     return sock
 
