@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Programmatic edges in the decode graphs (engine/graph_edges.py: MINISGL_GRAPH_PDL, MINISGL_PDL_KERNELS), on one
-# GPU in one call of about nine minutes. Parts (the arguments; default all):
+# GPU. Parts (the arguments; default all, more than one call's ten minutes: run `probe steps`, then `tests bench`
+# with CUBLAS_WAITERS set to the regex the probe printed):
 #   probe    graph_pdl.py: which of cuBLAS's kernels wait for their inputs on the device, a step's chain of
 #            cuBLAS products with its edges programmatic, and the engine's decode-graph kernels by name
 #   steps    the engine's decode graph steps (step_parts.py --drop none): as captured; edges into the cuBLAS
@@ -14,7 +15,11 @@ source benchmark/gpu_env.sh
 parts=${*:-probe steps tests bench}
 [ -d /tmp/ckpt/qwen3-0.6b ] || python benchmark/offline/random_checkpoint.py qwen3-0.6b /tmp/ckpt/qwen3-0.6b > /dev/null 2>&1
 own=$(python -c "from minisgl.engine.graph_edges import OWN_WAITERS; print(OWN_WAITERS)")
-cublas() { python -c "import json; print(json.load(open('$OUT/graph_pdl.json'))['probe']['waiters_regex'])" 2>/dev/null; }
+# the cuBLAS kernels that wait: CUBLAS_WAITERS, else the probe's finding in this call
+cublas() {
+    [ -n "${CUBLAS_WAITERS:-}" ] && { echo "$CUBLAS_WAITERS"; return; }
+    python -c "import json; print(json.load(open('$OUT/graph_pdl.json'))['probe']['waiters_regex'])" 2>/dev/null
+}
 both() { local c; c=$(cublas); echo "${c:+$c|}$own"; }
 # variant NAME: sets MINISGL_GRAPH_PDL and MINISGL_PDL_KERNELS for it
 variant() {
