@@ -172,3 +172,47 @@ def test_prefill_lengths_reach_the_whole_row_layouts_on_cuda() -> None:
     cpu = SimpleNamespace(device=torch.device("cpu"), model_config=dense)
     assert ROWS_WHOLE in warmup._prefill_lengths(cuda)  # type: ignore[arg-type]
     assert max(warmup._prefill_lengths(cpu)) < ROWS_WHOLE  # type: ignore[arg-type]
+
+
+def test_the_eager_prefill_counts_above_the_graphs_are_warmed_up_to_the_prefill_budget() -> None:
+    def engine(round_to: int, budget: int | None, device: str = "cuda") -> SimpleNamespace:
+        config = SimpleNamespace() if budget is None else SimpleNamespace(max_extend_tokens=budget)
+        graphs = SimpleNamespace(eager_round=round_to, max_tokens=2048)
+        return SimpleNamespace(device=torch.device(device), prefill_graphs=graphs, config=config)
+
+    # every multiple of 256 past the graphs' 2,048 tokens, to the scheduler's budget (8,192 without one)
+    assert warmup._eager_prefill_counts(engine(256, 8192)) == list(range(2304, 8193, 256))
+    assert warmup._eager_prefill_counts(engine(256, None)) == list(range(2304, 8193, 256))
+    assert warmup._eager_prefill_counts(engine(256, 2500)) == [2304, 2560]
+    assert warmup._eager_prefill_counts(engine(256, 2048)) == []
+    assert warmup._eager_prefill_counts(engine(0, 8192)) == []  # no padding: counts are any
+    assert warmup._eager_prefill_counts(engine(1, 8192)) == []  # a count a token: too many to run
+    assert warmup._eager_prefill_counts(engine(256, 8192, "cpu")) == []
+
+
+def test_the_warm_up_runs_each_projection_of_the_first_layer_at_each_count(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minisgl.layers.linear import LinearRowParallel, QuantizableLinear
+
+    llm = make_llm(tiny_model("qwen3"), max_running_req=4, cache_type="naive", device="cpu")
+    engine = llm.engine
+    calls: list[tuple[str, int, bool]] = []
+    layers = engine.model.model.layers if hasattr(engine.model, "model") else engine.model.layers
+    for name, module in layers[0].named_modules():
+        if isinstance(module, QuantizableLinear):
+            forward = module.forward
+
+            def spy(x, *args, name=name, forward=forward, **kwargs):  # type: ignore[no-untyped-def]
+                calls.append((name, x.shape[0], "residual" in kwargs))
+                assert x.is_contiguous()
+                return forward(x, *args, **kwargs)
+
+            monkeypatch.setattr(module, "forward", spy)
+    warmup._warm_products(engine, [16, 48])
+    projections = {name for name, m in layers[0].named_modules() if isinstance(m, QuantizableLinear)}
+    rows = {name for name, m in layers[0].named_modules() if isinstance(m, LinearRowParallel)}
+    assert rows and projections > rows
+    want = {(name, n, False) for name in projections for n in (16, 48)}
+    want |= {(name, n, True) for name in rows for n in (16, 48)}
+    assert set(calls) == want and len(calls) == len(want)

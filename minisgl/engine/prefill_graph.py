@@ -77,6 +77,15 @@ def rounded_tokens(tokens: int, step: int) -> int:
     return n if n >= tokens else -(-tokens // step) * step
 
 
+def rounded_counts(limit: int, step: int) -> list[int]:
+    """Every count `rounded_tokens` gives for a step of 1 to `limit` tokens."""
+    counts, tokens = [], 1
+    while tokens <= limit:  # the rounding never goes down: the next count starts after this one
+        counts.append(rounded_tokens(tokens, step))
+        tokens = counts[-1] + 1
+    return counts
+
+
 class StaticInputs:
     """The device buffers a captured prefill graph reads a step's token ids, positions and KV slots from;
     until a step's are copied in, every slot is the scratch slot (the dummy row's), which no request reads."""

@@ -23,7 +23,12 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
   eagerly whatever the graphs, at 1 to max_running_req - 1 rows (a prompt takes a row), so one mixed step for
   each decode variant among those counts (`_mixed_decode_sizes`);
 - sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
-  penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too).
+  penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too);
+- cuBLAS: a product of a row count new to the process costs the host 200-310 us (its kernel chosen) against
+  27-36 for a seen one, 25-35 ms for an eager prefill step's 112 (docs/benchmarks.md, "A burst of short
+  prompts on a GPU"). Eager prefill steps are padded to a few counts (prefill_graph.rounded_tokens), and the
+  prefill graphs' capture runs those up to the largest graph; the products of the counts above it, up to the
+  prefill budget, run here once each on the first layer's weights (`_warm_products`).
 Batch sizes add no variants: the per-row buffers are padded to keep every pointer 16-byte aligned
 (sample.Sampler, TritonAttnBackend.prepare_metadata), and counts that vary are left unspecialised.
 """
@@ -33,9 +38,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.prefill_graph import rounded_counts
 from minisgl.kernel import ROWS_WHOLE
+from minisgl.layers.linear import LinearRowParallel, QuantizableLinear
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -133,6 +141,59 @@ def _mixed_decode_sizes(engine: Engine) -> list[int]:
     return sorted(sizes.values())
 
 
+MAX_WARM_COUNTS = (
+    64  # more padded counts than this (a tiny MINISGL_PREFILL_ROUND) are left to the first steps
+)
+DEFAULT_PREFILL_BUDGET = 8192  # the scheduler's default max_extend_tokens, for an engine built without one
+
+
+def _eager_prefill_counts(engine: Engine) -> list[int]:
+    """The token counts eager prefill steps are padded to that the prefill graphs' capture does not run: above
+    the largest graph, up to the prefill budget (the scheduler's max_extend_tokens where the config has one)."""
+    runner = engine.prefill_graphs
+    if engine.device.type != "cuda" or not runner.eager_round:
+        return []
+    budget = getattr(engine.config, "max_extend_tokens", None) or DEFAULT_PREFILL_BUDGET
+    counts = [n for n in rounded_counts(budget, runner.eager_round) if n > runner.max_tokens]
+    return counts if len(counts) <= MAX_WARM_COUNTS else []
+
+
+def _warm_products(engine: Engine, counts: list[int]) -> None:
+    """Each of the first decoder layer's dense projections at each row count of `counts`, as its forward calls
+    it (the row-parallel ones with and without the residual added in place): cuBLAS chooses each product's
+    kernel once, here. The inputs are zeros; what they write is thrown away."""
+    layers = next(
+        (m.layers for m in engine.model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)),
+        None,
+    )
+    if not layers or not counts:
+        return
+    rows = max(counts)
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def zeros(width: int, dtype: torch.dtype) -> torch.Tensor:
+        # one buffer a width: each product's rows are contiguous, as a step's are
+        if (width, dtype) not in inputs:
+            inputs[width, dtype] = torch.zeros(rows, width, dtype=dtype, device=engine.device)
+        return inputs[width, dtype]
+
+    seen: set[tuple[type, tuple[int, ...]]] = set()
+    for module in layers[0].modules():
+        if not isinstance(module, QuantizableLinear) or module.weight is None:
+            continue
+        key = (type(module), tuple(module.weight.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out_width, in_width = module.weight.shape
+        dtype = module.weight.dtype
+        for n in counts:
+            x = zeros(in_width, dtype)[:n]
+            module(x)
+            if isinstance(module, LinearRowParallel):
+                module(x, residual=zeros(out_width, dtype)[:n])
+
+
 def _step(engine: Engine, reqs: list[Req], phase: str) -> None:
     batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
     engine.forward_batch(engine.prepare_batch(batch, eos_token_ids=(0,)))
@@ -160,6 +221,7 @@ def warm_up(engine: Engine) -> None:
         _step(engine, decode, "prefill")
         # the prompt first, the decode rows last: Batch.num_decode_rows
         _step(engine, _requests(engine, 3, [SamplingParams()], after=decode) + decode, "prefill")
+    _warm_products(engine, _eager_prefill_counts(engine))
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     rows = engine.config.max_running_req
