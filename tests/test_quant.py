@@ -403,13 +403,23 @@ def test_quantized_layers_are_cached_and_built_alike_at_the_next_start(tmp_path,
     assert quant_cache.cache_path(path, *key) != before
     monkeypatch.setattr(ENV.QUANT_CACHE, "value", False)
     assert quant_cache.cache_path(path, *key) is None
-    # a new key's file replaces the model's older ones (not another model's, nor another rank's)
+    # a new version's file replaces the model's older ones of its configuration, and those named before
+    # configurations had names; not another configuration's, another model's, nor another rank's
     folder = tmp_path / "cache" / "quant"
-    others = [folder / "q4_1-tp1-0123456789abcdef.pt", folder / "other-0123456789abcdef.pt"]
-    for other in others:
+    stem, config, _ = saved[0].name.split("-")  # the first start's file: model, configuration, version
+    assert stem == Path(path).stem and len(config) == 8
+    other_config = "01234567" if config != "01234567" else "76543210"
+    kept = [
+        folder / f"q4_1-tp1-{config}-0123456789abcdef.pt",
+        folder / f"other-{config}-0123456789abcdef.pt",
+        folder / f"q4_1-{other_config}-0123456789abcdef.pt",
+        folder / "q4_1-tp1-0123456789abcdef.pt",
+    ]
+    dropped = [folder / f"q4_1-{config}-0123456789abcdef.pt", folder / "q4_1-0123456789abcdef.pt"]
+    for other in kept + dropped:
         other.write_bytes(b"x")
-    newer = str(folder / "q4_1-fedcba9876543210.pt")
+    newer = str(folder / f"q4_1-{config}-fedcba9876543210.pt")
     quant_cache.save(newer, {})
-    assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [others[0].name, others[1].name, Path(newer).name]
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(("q4_1", "other"))) == sorted(
+        [p.name for p in kept] + [Path(newer).name]
     )

@@ -57,23 +57,31 @@ def cache_path(
         return None
     from minisgl.models import quantize, smoothing
 
-    h = hashlib.sha256()
+    # what the recipes are for (another configuration keeps its own file beside this one) and which version of
+    # the model file, the code and torch made them (a newer version replaces the older: `_drop_older`)
+    config = hashlib.sha256(
+        "\n".join(
+            [
+                # the calibration prompt (about 1,400 characters of text and chat) is cut to max_seq_len - 2 tokens:
+                # from 2,048 on nothing is cut, so every longer context shares one file
+                f"format {_FORMAT} plan {plan} dtype {dtype} max_seq_len {min(max_seq_len, 2048)} tp {tp}",
+                f"alpha {smoothing.ALPHA} w8a8_head {quantize.W8A8_HEAD}",  # module settings a script may change
+            ]
+        ).encode()
+    ).hexdigest()[:8]
+    version = hashlib.sha256()
     for line in [
-        # the calibration prompt (about 1,400 characters of text and chat) is cut to max_seq_len - 2 tokens: from
-        # 2,048 on nothing is cut, so every longer context shares one file
-        f"format {_FORMAT} plan {plan} dtype {dtype} max_seq_len {min(max_seq_len, 2048)} tp {tp}",
-        f"alpha {smoothing.ALPHA} w8a8_head {quantize.W8A8_HEAD}",  # module settings a script may change
         f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}",
         *_stat_lines(source),
     ]:
-        h.update(line.encode() + b"\n")
+        version.update(line.encode() + b"\n")
     for path in _sources():
         with open(path, "rb") as f:
-            h.update(f.read())
+            version.update(f.read())
     stem = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
     rank = f"-tp{tp[0]}" if tp[1] > 1 else ""
     return os.path.join(
-        os.path.abspath(ENV.CACHE_DIR.value), "quant", f"{stem}{rank}-{h.hexdigest()[:16]}.pt"
+        os.path.abspath(ENV.CACHE_DIR.value), "quant", f"{stem}{rank}-{config}-{version.hexdigest()[:16]}.pt"
     )
 
 
@@ -135,13 +143,23 @@ def save(path: str, recipes: dict[str, LayerRecipe]) -> None:
             os.remove(tmp)
 
 
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
 def _drop_older(path: str) -> None:
-    """Remove the files of the same model name and rank under other keys (an earlier version of the file, of the
-    code, or another plan): the default model's is about 240 MB, and each change of the code would add one."""
+    """Remove the files of the same model name, rank and configuration under other versions (an earlier version
+    of the model file, of the code or of torch): the default model's is about 240 MB, and each change of the code
+    would add one. Another configuration's file stays (the tests' float32 one beside a user's bf16 one: each
+    start would otherwise quantize again after the other)."""
     folder, name = os.path.split(path)
-    prefix = name[: name.rindex("-") + 1]
+    prefix = name[: name.rindex("-") + 1]  # model, rank and configuration
+    base = prefix[: prefix.rindex("-", 0, len(prefix) - 1) + 1]  # model and rank
     for other in os.listdir(folder):
-        if other != name and other.startswith(prefix) and other.endswith(".pt") and len(other) == len(name):
+        same_config = other.startswith(prefix) and len(other) == len(name)
+        # a file named before configurations had their own names: model, rank and a version
+        legacy = other.startswith(base) and len(other) == len(base) + 19 and _is_hex(other[len(base) : -3])
+        if other != name and other.endswith(".pt") and (same_config or legacy):
             try:
                 os.remove(os.path.join(folder, other))
             except OSError:
