@@ -141,9 +141,8 @@ def _mixed_decode_sizes(engine: Engine) -> list[int]:
     return sorted(sizes.values())
 
 
-MAX_WARM_COUNTS = (
-    64  # more padded counts than this (a tiny MINISGL_PREFILL_ROUND) are left to the first steps
-)
+# more padded counts than this (a tiny MINISGL_PREFILL_ROUND) are left to the first steps
+MAX_WARM_COUNTS = 64
 DEFAULT_PREFILL_BUDGET = 8192  # the scheduler's default max_extend_tokens, for an engine built without one
 
 
