@@ -150,8 +150,8 @@ def _is_hex(text: str) -> bool:
 def _drop_older(path: str) -> None:
     """Remove the files of the same model name, rank and configuration under other versions (an earlier version
     of the model file, of the code or of torch): the default model's is about 240 MB, and each change of the code
-    would add one. Another configuration's file stays (the tests' float32 one beside a user's bf16 one: each
-    start would otherwise quantize again after the other)."""
+    would add one. Another configuration's file stays (the test suite's starts of a model beside the README
+    command's: each would otherwise quantize again after the other)."""
     folder, name = os.path.split(path)
     prefix = name[: name.rindex("-") + 1]  # model, rank and configuration
     base = prefix[: prefix.rindex("-", 0, len(prefix) - 1) + 1]  # model and rank
