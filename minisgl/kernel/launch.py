@@ -59,7 +59,7 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fn = self.fn
-        if self.pdl is not None:
+        if self.pdl is not None and self.pdl.value:  # off, the parameter's default (0) is the level
             kwargs["PDL"] = self.pdl.value
         if not self.direct or _hooked():
             fn[grid](*args, **kwargs)

@@ -80,9 +80,15 @@ class Int8Weight(QuantizedWeight):
             self.register_buffer("q", q.to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
 
+    @staticmethod
+    def codes_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The constructor's arguments for w: its int8 codes and per-channel scales."""
+        q, scale = round_per_channel(w)
+        return q.to(torch.int8), scale
+
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Weight:
-        return cls(*round_per_channel(w))
+        return cls(*cls.codes_of(w))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         pack = self.pack
@@ -255,13 +261,20 @@ class W8A8Weight(Int8Weight):
                 # for the default model) are dropped, and codes() reads them back from that copy
                 self.q = None
 
+    @staticmethod
+    def codes_of(
+        w: torch.Tensor, smooth: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The constructor's arguments: the codes of w (or of w * smooth, column by column) as Int8Weight rounds
+        them, and 1 / smooth for the activations."""
+        if smooth is None:
+            return (*Int8Weight.codes_of(w), None)
+        smooth = smooth.float()
+        return (*Int8Weight.codes_of(w.float() * smooth), 1 / smooth)
+
     @classmethod
     def from_float(cls, w: torch.Tensor, smooth: torch.Tensor | None = None) -> W8A8Weight:
-        """The codes of w (or of w * smooth, column by column) as Int8Weight rounds them."""
-        if smooth is None:
-            return cls(*round_per_channel(w))
-        smooth = smooth.float()
-        return cls(*round_per_channel(w.float() * smooth), 1 / smooth)
+        return cls(*cls.codes_of(w, smooth))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         inv_smooth = self.inv_smooth

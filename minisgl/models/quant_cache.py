@@ -6,11 +6,12 @@ rounds every layer's int8 copy: about ten seconds of the engine's start, every s
 recipes (`models/quantize.py`: each layer's kind and its constructor's tensors, before any machine-specific layout)
 are saved once under the cache folder (MINISGL_CACHE_DIR, `quant/`) and later starts build the layers from them.
 
-The file's name is a digest of everything its contents follow: the model file or folder (path, sizes and
-modification times), the quantization plan, the model's dtype and maximum length where it cuts the calibration
-prompt, the tensor-parallel rank, torch's version and CPU capability, the smoothing exponent, and the source of the
-modules that compute the recipes, so that a change to any of them writes a new file rather than reading a stale
-one; a new file replaces the model's older ones. MINISGL_QUANT_CACHE=0 turns it off.
+The file's name carries a digest of everything its contents follow, in two parts: the configuration (the
+quantization plan, the model's dtype and maximum length where it cuts the calibration prompt, the tensor-parallel
+rank, the smoothing exponent) and the version (the model file or folder's path, sizes and modification times,
+torch's version and CPU capability, and the source of the modules that compute the recipes), so that a change to
+any of them writes a new file rather than reading a stale one; a new version replaces its configuration's older
+ones. MINISGL_QUANT_CACHE=0 turns it off.
 """
 
 from __future__ import annotations

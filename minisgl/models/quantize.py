@@ -30,7 +30,7 @@ from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearColParallelMerged, QuantizableLinear
-from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight, round_per_channel
+from minisgl.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
 from minisgl.models.smoothing import smoothing_factors
 
 # rows up to which a packed weight beats the bf16 matmul when both are kept: at SmolLM2-135M's shapes
@@ -132,18 +132,12 @@ def build(recipe: Recipe) -> QuantizedWeight:
 
 
 def _int8(weight: torch.Tensor) -> Recipe:
-    q, scale = round_per_channel(weight)
-    return "int8", (q.to(torch.int8), scale)
+    return "int8", Int8Weight.codes_of(weight)
 
 
 def _w8a8(weight: torch.Tensor, input_peak: torch.Tensor | None) -> Recipe:
-    """The codes of the weight (or of weight * s, s the smoothing factors, with 1 / s for the activations)."""
-    if input_peak is None:
-        q, scale = round_per_channel(weight)
-        return "w8a8", (q.to(torch.int8), scale, None)
-    smooth = smoothing_factors(input_peak, weight).float()
-    q, scale = round_per_channel(weight.float() * smooth)
-    return "w8a8", (q.to(torch.int8), scale, 1 / smooth)
+    smooth = None if input_peak is None else smoothing_factors(input_peak, weight)
+    return "w8a8", W8A8Weight.codes_of(weight, smooth)
 
 
 def _is_tied(model: nn.Module) -> bool:
