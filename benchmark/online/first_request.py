@@ -1,8 +1,10 @@
-"""The first requests a fresh server answers: time to first token from the moment /health first answers.
+"""The first requests a fresh server answers: time to first token from the moment the server is ready.
 
     python benchmark/online/first_request.py [--rounds 3] [--requests 3] [--json out.json] [--minisgl-args "..."]
+        [--servers minisgl,llama.cpp --llama-cpp-python /path/to/python]
 
-Each round starts `python -m minisgl` (the default model unless --minisgl-args names one), waits for /health,
+Each round starts each server of --servers (`python -m minisgl` on the default model unless --minisgl-args names
+one; llama.cpp's server on the same GGUF file, as benchmark/online/bench.py starts it), waits until it answers,
 then at once sends --requests streaming chat requests one after another (8 tokens each, temperature 0.7 and
 top-p 0.9, a different question each) and takes each one's time to its first content token, as a client sees
 it. The first request after start is what a user who starts the server and asks at once waits for; the later
@@ -15,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from servers import REPO, _free_port, stop, wait_ready  # noqa: E402
+from servers import REPO, _free_port, server_command, stop, wait_ready  # noqa: E402
 from sse import get_json, request  # noqa: E402
 
 
@@ -55,11 +56,11 @@ async def ttft_ms(base_url: str, model: str, question: str) -> float:
     return (first - start) * 1e3
 
 
-def one_round(args: argparse.Namespace) -> list[float]:
+def one_round(args: argparse.Namespace, kind: str) -> list[float]:
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-        cmd = [sys.executable, "-m", "minisgl", "--port", str(port), *shlex.split(args.minisgl_args)]
+        cmd = server_command(kind, port, args)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         model = wait_ready(base_url, proc, timeout=300, log=log.name)
@@ -81,21 +82,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--servers", default="minisgl", help="servers to start and measure (minisgl, llama.cpp)")
     ap.add_argument("--minisgl-args", default="", help="more arguments for python -m minisgl")
+    ap.add_argument(
+        "--llama-cpp-python", default=sys.executable, help="a Python with llama-cpp-python[server]"
+    )
+    ap.add_argument(
+        "--llama-cpp-model", help="the GGUF file llama.cpp serves (default: the embedded model's)"
+    )
+    ap.add_argument("--llama-cpp-threads", type=int, default=0, help="0: as many as minisgl's torch threads")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rounds = []
-    for r in range(args.rounds):
-        times = one_round(args)
-        rounds.append(times)
-        print(f"round {r}: time to first token, ms: " + " / ".join(f"{t:.1f}" for t in times), flush=True)
-    firsts = [t[0] for t in rounds]
-    later = [x for t in rounds for x in t[1:]]
-    summary: dict[str, Any] = {"rounds": rounds, "first_median_ms": statistics.median(firsts)}
-    if later:
-        summary["later_median_ms"] = statistics.median(later)
-    print(f"first request after start: median {summary['first_median_ms']:.1f} ms"
-          + (f"; later requests {summary['later_median_ms']:.1f} ms" if later else ""))  # fmt: skip
+    summary: dict[str, Any] = {}
+    for kind in args.servers.split(","):
+        rounds = []
+        for r in range(args.rounds):
+            times = one_round(args, kind)
+            rounds.append(times)
+            print(
+                f"{kind} round {r}: time to first token, ms: " + " / ".join(f"{t:.1f}" for t in times),
+                flush=True,
+            )
+        later = [x for t in rounds for x in t[1:]]
+        row: dict[str, Any] = {"rounds": rounds, "first_median_ms": statistics.median(t[0] for t in rounds)}
+        if later:
+            row["later_median_ms"] = statistics.median(later)
+        summary[kind] = row
+        print(f"{kind}: first request after start: median {row['first_median_ms']:.1f} ms"
+              + (f"; later requests {row['later_median_ms']:.1f} ms" if later else ""), flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
