@@ -111,6 +111,13 @@ class _Env:
             "on CUDA, 16-bit matmuls of up to 16 rows with outputs no wider than their inputs by minisgl's "
             "split-K Triton GEMM (kernel/gemm.py); 0: cuBLAS",
         )
+        self.CUDA_GEMM_ROWS = EnvVar(
+            "MINISGL_CUDA_GEMM_ROWS",
+            0,
+            "on a Hopper GPU, bf16 matmuls of up to this many rows (at most 16) by minisgl's CUDA GEMM "
+            "(kernel/cuda/gemm.py), which reads its weights before it waits for its input where a graph edge "
+            "into it is programmatic (MINISGL_GRAPH_PDL); 0: the split-K Triton GEMM or cuBLAS",
+        )
         self.DECODE_LONGEST_FIRST = EnvVar(
             "MINISGL_DECODE_LONGEST_FIRST",
             32,
@@ -181,7 +188,13 @@ class _Env:
             "",
             "a regular expression of kernel names: in the captured CUDA graphs, each kernel-to-kernel edge into a "
             "kernel so named becomes programmatic (it may start while the kernel before it runs; only kernels "
-            "that wait on the device for their inputs may be named: engine/graph_edges.py); empty: none",
+            "that wait on the device for their inputs may be named: engine/graph_edges.py); 'own': this "
+            "project's kernels (graph_edges.OWN_WAITERS); empty: none",
+        )
+        self.GRAPH_PDL_ROWS = EnvVar(
+            "MINISGL_GRAPH_PDL_ROWS",
+            256,
+            "MINISGL_GRAPH_PDL's edges only in the decode graphs of at most this many rows",
         )
         self.PDL_KERNELS = EnvVar(
             "MINISGL_PDL_KERNELS",

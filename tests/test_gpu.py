@@ -343,12 +343,8 @@ def test_a_shared_prefix_is_computed_once_under_overlap(tiny_model, hf_reference
     assert [o["cached_tokens"] for o in out] == [0] + [len(system)] * 7
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
-    """Every step within BF16_LOGITS_REL_ERR of transformers' float32 logits, and on average no further from
-    them than transformers' own bf16 run is (the tiny models' wide weights make bf16 rounding show)."""
-    folder = tiny_model(variant)
-    llm = gpu_llm(make_llm, folder, dtype=torch.bfloat16)
+def record_row0_logits(llm: LLM) -> list[torch.Tensor]:
+    """The list every step's logits of the batch's first row will be appended to (float32 copies)."""
     steps: list[torch.Tensor] = []
     sample = llm.engine.sampler.sample
 
@@ -356,7 +352,17 @@ def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_ref
         steps.append(logits[0].float().clone())
         return sample(logits, args)
 
-    llm.engine.sampler.sample = recording_sample
+    llm.engine.sampler.sample = recording_sample  # type: ignore[method-assign]
+    return steps
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
+    """Every step within BF16_LOGITS_REL_ERR of transformers' float32 logits, and on average no further from
+    them than transformers' own bf16 run is (the tiny models' wide weights make bf16 rounding show)."""
+    folder = tiny_model(variant)
+    llm = gpu_llm(make_llm, folder, dtype=torch.bfloat16)
+    steps = record_row0_logits(llm)
     ours_all, theirs_all = [], []
     for prompt in random_prompts(3, seed=4, min_len=5, max_len=50):
         steps.clear()

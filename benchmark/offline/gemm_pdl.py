@@ -1,4 +1,4 @@
-"""A decode step's chain of products by cuBLAS, by gemm_pdl.cu launched plainly, and launched programmatically.
+"""A decode step's chain of products by cuBLAS, by minisgl/kernel/cuda/gemm.cu launched plainly, and programmatically.
 
     python benchmark/offline/gemm_pdl.py [--rows 1,16,64,128,256] [--json out.json]
 
@@ -19,7 +19,6 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from skinny_gemm import graph_ms  # noqa: E402
 
-from minisgl.kernel.cuda import CudaModule, load_module  # noqa: E402
+from minisgl.kernel.cuda import CudaModule, load_module, source  # noqa: E402
 
 LAYERS = 28
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
@@ -135,7 +134,7 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     plans = {m: best_configs(args.sweep, m) for m in rows_list}
     configs = {c for p in plans.values() for c in p.values()}
-    src = (Path(__file__).parent / "gemm_pdl.cu").read_text()
+    src = source("gemm.cu")
     src += "\n".join(
         f"GEMM_KERNEL({c.name}, {c.bn}, {c.bm}, {c.wn}, {c.wm}, {c.split}, {c.stages})" for c in configs
     )

@@ -3,12 +3,12 @@
 # beside, on one GPU. Parts (the arguments; default all):
 #   phases   phase_cost.py: a Qwen3-0.6B step's 112 weight reads as kernels, as phases with barriers over the
 #            grid, with the next phase asked for early, through a ring across the phases, and as one stream
-#   gemmpdl  gemm_pdl.py: a step's chain of products by cuBLAS, by gemm_pdl.cu plainly and programmatically
+#   gemmpdl  gemm_pdl.py: a step's chain of products by cuBLAS, by minisgl/kernel/cuda/gemm.cu plainly and programmatically
 #   tests    the CUDA kernel and engine tests on the GPU
 #   qwen     the upstream workload on the Qwen3-0.6B shape, bf16 cache, temperature then top-k 50 / top-p 0.9
 #   llama    the same on the Llama-3-8B shape, temperature
-# Results go to $OUT (or ./out). (gemm.cu's decode GEMM, measured by gpu_gemm_cuda.sh at commit 0870a3d, was not
-# kept: docs/benchmarks.md, "A decode GEMM on the tensor cores".)
+# Results go to $OUT (or ./out). (gemm.cu is the decode GEMM of docs/benchmarks.md's "A decode GEMM on the tensor
+# cores", made to read its weights before it waits; the engine takes it for few rows: "Products of few rows".)
 set -uo pipefail
 source benchmark/gpu_env.sh
 parts=${*:-phases gemmpdl tests qwen llama}

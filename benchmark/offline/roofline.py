@@ -216,13 +216,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def steps(model_dir: str, ceil: dict[str, float], kv: str = "auto") -> dict[str, Any]:
+def steps(
+    model_dir: str, ceil: dict[str, float], kv: str = "auto", graph_bs: list[int] | None = None
+) -> dict[str, Any]:
+    """Every captured decode graph timed (`graph_bs`: only those batch sizes), then a prefill step."""
     from minisgl import LLM, SamplingParams
     from minisgl.kernel.attention import decode_order
 
     llm = LLM(
-        model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056, kv_cache_dtype=kv
-    )
+        model_dir, max_running_req=256, cache_type="naive", max_seq_len_override=2056, kv_cache_dtype=kv,
+        cuda_graph_bs=graph_bs,
+    )  # fmt: skip
     eng = llm.engine
     mc = eng.model_config
     w_bytes = weight_bytes(eng.model)

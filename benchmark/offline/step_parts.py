@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument(
+        "--graph-bs", default=None, help="comma-separated decode graph sizes (default: the engine's)"
+    )
+    ap.add_argument(
         "--compare", nargs="+", default=None, help="JSON files of this script, the first the base"
     )
     args = ap.parse_args()
@@ -100,7 +103,8 @@ def main() -> None:
     result = {"drop": args.drop, "device": torch.cuda.get_device_name(), "ceilings": ceilings()}
     torch.cuda.empty_cache()
     with torch.inference_mode():  # the graphs' static buffers are inference tensors
-        result["steps"] = steps(args.model, result["ceilings"], args.kv_cache_dtype)
+        graph_bs = [int(b) for b in args.graph_bs.split(",")] if args.graph_bs else None
+        result["steps"] = steps(args.model, result["ceilings"], args.kv_cache_dtype, graph_bs)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
 

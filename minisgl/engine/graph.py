@@ -25,7 +25,7 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
-from minisgl.engine.graph_edges import make_programmatic, name_matcher
+from minisgl.engine.graph_edges import graph_pattern, make_programmatic, name_matcher
 from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
 
@@ -90,7 +90,8 @@ def capture_forward(
             forward()
             out = forward()
         return ReplayedForward(forward, batch, out), out
-    pdl = ENV.GRAPH_PDL.value
+    # the rows the step's products take: a decode graph's requests, a prefill graph's tokens
+    pdl = graph_pattern(batch.padded_tokens if batch.is_prefill else batch.size)
     graph = torch.cuda.CUDAGraph(keep_graph=bool(pdl))
     with get_global_ctx().forward_batch(batch):
         forward()

@@ -27,6 +27,8 @@ OWN_WAITERS = (
     r"^(_rope_kernel|_silu_and_mul_kernel|_gemm_kernel|_decode_kernel|_decode_merge_kernel|_rms_norm_kernel"
     r"|decode_(tc_)?(bf16|fp8)_g\d+_\w+)$"
 )
+# the CUDA GEMM (kernel/cuda/gemm.py) waits whatever the switch says
+ALWAYS_WAITS = r"^gemm_n\d+_m\d+_w\d+x\d+_s\d+_p\d+$"
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: when the producer's programs let it
 _DEPENDENCY_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
@@ -140,6 +142,25 @@ def make_programmatic(graph: int, waits: Callable[[str], bool]) -> EdgeReport:
         changed += 1
     kernels = Counter(n for n in names.values() if n is not None)
     return EdgeReport(sum(kernels.values()), len(all_edges), changed, kernels)
+
+
+def waiters_pattern(setting: str, pdl_kernels: int) -> str:
+    """MINISGL_GRAPH_PDL's pattern: 'own' names this project's kernels that wait, the CUDA GEMM always and the
+    others only where MINISGL_PDL_KERNELS has them wait (an edge made programmatic into a kernel that does not
+    wait would let it read its input early); anything else is a regular expression as it is."""
+    if setting != "own":
+        return setting
+    return f"{OWN_WAITERS}|{ALWAYS_WAITS}" if pdl_kernels >= 1 else ALWAYS_WAITS
+
+
+def graph_pattern(rows: int) -> str:
+    """The waiters whose edges are made programmatic in a graph whose products take `rows` rows: MINISGL_GRAPH_PDL
+    in graphs of at most MINISGL_GRAPH_PDL_ROWS rows, none in larger ones."""
+    from minisgl.env import ENV
+
+    if rows > ENV.GRAPH_PDL_ROWS.value:
+        return ""
+    return waiters_pattern(ENV.GRAPH_PDL.value, ENV.PDL_KERNELS.value)
 
 
 def name_matcher(pattern: str) -> Callable[[str], bool]:

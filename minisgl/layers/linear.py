@@ -29,10 +29,25 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype
 
 
+def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA GEMM takes x @ weight.T (Hopper, bf16, MINISGL_CUDA_GEMM_ROWS: `cuda.gemm.serves`)."""
+    if not (x.is_cuda and ENV.CUDA_GEMM_ROWS.value):
+        return False
+    from minisgl.kernel.cuda import gemm as cuda_gemm
+
+    return cuda_gemm.serves(x, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on the CPU, one or two rows against bf16 weights go to a C kernel (oneDNN is slow there),
-    unless MINISGL_KERNELS=triton runs the CUDA path's code there; on CUDA, the few-row products that
-    `gemm.serves` names go to the split-K Triton GEMM (`kernel/gemm.py`, MINISGL_SKINNY_GEMM)."""
+    unless MINISGL_KERNELS=triton runs the CUDA path's code there; on CUDA, the products of few rows go to
+    the CUDA GEMM where `cuda.gemm.serves` (MINISGL_CUDA_GEMM_ROWS), else to the split-K Triton GEMM where
+    `gemm.serves` (`kernel/gemm.py`, MINISGL_SKINNY_GEMM)."""
+    if _cuda_gemm(x, weight):
+        from minisgl.kernel.cuda import gemm as cuda_gemm
+
+        y = cuda_gemm.matmul(x, weight)
+        return y + bias if bias is not None else y
     if _skinny(x, weight):
         from minisgl.kernel import gemm
 
@@ -60,10 +75,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight.T with the add in the matmul's epilogue (float32 sums, rounded once): cuBLAS's
-    addmm, or the split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N].
+    addmm, or the CUDA or split-K Triton GEMM where `linear` would take it. x and residual are [M, K] and [M, N].
 
     residual is consumed: the sum may be written over it. cuBLAS adds C in place only; torch's addmm into a
     fresh output first copies C there, a launch as long as the residual add it was meant to save."""
+    if _cuda_gemm(x, weight) and residual.stride(1) == 1 and residual.stride(0) % 8 == 0:
+        from minisgl.kernel.cuda import gemm as cuda_gemm
+
+        return cuda_gemm.matmul(x, weight, residual=residual)
     if _skinny(x, weight):
         from minisgl.kernel import gemm
 

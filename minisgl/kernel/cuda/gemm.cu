@@ -1,12 +1,15 @@
-// The decode GEMM of docs/benchmarks.md's "A decode GEMM on the tensor cores" (commit 0870a3d's
-// minisgl/kernel/cuda/gemm.cu), made for programmatic dependent launch: a program lets the next kernel launch as it
-// starts, asks for its first stages' weight tiles (which depend on nothing), and only then waits for the kernel
-// before it (griddepcontrol.wait) and asks for the activations. Launched plainly the two griddepcontrol
-// instructions do nothing. benchmark/offline/gemm_pdl.py times a step's chain of products with it.
+// Products of few rows (decode steps of 1-8 rows) on the tensor cores, made for programmatic dependent launch:
+// a program lets the next kernel launch as it starts, asks for its first stages' weight tiles (which depend on
+// nothing), and only then waits for the kernel before it (griddepcontrol.wait) and asks for the activations.
+// Launched plainly, or over a graph edge that is not programmatic, the two griddepcontrol instructions do nothing.
+// minisgl/kernel/cuda/gemm.py launches it; engine/graph_edges.py makes the decode graphs' edges into it
+// programmatic (docs/benchmarks.md, "A decode GEMM on the tensor cores" and "Products of few rows of our own").
 //
 // Y = X W^T (+ R): the weight's rows the M side of mma.sync m16n8k16, the tokens the N side; a program a tile of
 // BN weight rows by BM tokens over one of SPLIT ranges of K, the SPLIT programs of a tile one cluster whose float32
-// partial sums meet in distributed shared memory in rank order; tiles of 64 K by cp.async, STAGES - 1 ahead.
+// partial sums meet in distributed shared memory in rank order (the same bits every run, no workspace); tiles of
+// 64 K by cp.async, STAGES - 1 ahead. Y may be R (the residual added in place: each output is read, then written,
+// by one thread).
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
