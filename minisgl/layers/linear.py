@@ -79,7 +79,12 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) ->
 
     residual is consumed: the sum may be written over it. cuBLAS adds C in place only; torch's addmm into a
     fresh output first copies C there, a launch as long as the residual add it was meant to save."""
-    if _cuda_gemm(x, weight) and residual.stride(1) == 1 and residual.stride(0) % 8 == 0:
+    if (
+        _cuda_gemm(x, weight)
+        and residual.stride(1) == 1
+        and residual.stride(0) % 8 == 0
+        and residual.data_ptr() % 16 == 0  # its rows read and written 16 bytes at a time
+    ):
         from minisgl.kernel.cuda import gemm as cuda_gemm
 
         return cuda_gemm.matmul(x, weight, residual=residual)
