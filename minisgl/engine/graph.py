@@ -30,6 +30,7 @@ from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
+_EDGE_WARNINGS: list[str] = []  # the driver's refusals to make an edge programmatic, said once
 
 
 def default_graph_bs(max_bs: int) -> list[int]:
@@ -92,6 +93,11 @@ def capture_forward(
         return ReplayedForward(forward, batch, out), out
     # the rows the step's products take: a decode graph's requests, a prefill graph's tokens
     pdl = graph_pattern(batch.padded_tokens if batch.is_prefill else batch.size)
+    if pdl:
+        from minisgl.kernel.launch import programmatic_launch  # Triton's import: a CUDA run's only
+
+        if not programmatic_launch(stream.device.index or 0):
+            pdl = ""
     graph = torch.cuda.CUDAGraph(keep_graph=bool(pdl))
     with get_global_ctx().forward_batch(batch):
         forward()
@@ -99,8 +105,14 @@ def capture_forward(
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = forward()
     if pdl:
-        # the edges change before the graph is instantiated (keep_graph defers that to here)
-        make_programmatic(graph.raw_cuda_graph(), name_matcher(pdl))
+        # the edges change before the graph is instantiated (keep_graph defers that to here); a driver without
+        # the entry points leaves the edges it has not reached as captured, which is always correct
+        try:
+            make_programmatic(graph.raw_cuda_graph(), name_matcher(pdl))
+        except (RuntimeError, AttributeError) as e:
+            if not _EDGE_WARNINGS:
+                logger.warning_rank0(f"CUDA graphs keep their edges as captured: {e}")
+            _EDGE_WARNINGS.append(str(e))
         graph.instantiate()
     return graph, out
 

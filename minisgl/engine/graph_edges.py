@@ -135,10 +135,10 @@ def make_programmatic(graph: int, waits: Callable[[str], bool]) -> EdgeReport:
             "cuGraphRemoveDependencies",
         )
         new = EdgeData(from_port=_PORT_PROGRAMMATIC, to_port=0, type=_DEPENDENCY_PROGRAMMATIC)
-        _check(
-            driver.cuGraphAddDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(new), one),
-            "cuGraphAddDependencies",
-        )
+        rc = driver.cuGraphAddDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(new), one)
+        if rc != 0:  # the edge back as it was, so that a refusal leaves a correct graph
+            driver.cuGraphAddDependencies_v2(ctypes.c_void_p(graph), *pair, ctypes.byref(data), one)
+            _check(rc, "cuGraphAddDependencies")
         changed += 1
     kernels = Counter(n for n in names.values() if n is not None)
     return EdgeReport(sum(kernels.values()), len(all_edges), changed, kernels)

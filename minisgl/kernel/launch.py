@@ -13,6 +13,7 @@ compiles or loads the kernel and returns it. Under Triton's interpreter, or with
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -23,6 +24,13 @@ try:
     from triton import knobs as _knobs
 except ImportError:  # a Triton without knobs has no launch hooks to respect either
     _knobs = None
+
+
+@cache
+def programmatic_launch(device: int) -> bool:
+    """Whether CUDA device `device` has programmatic dependent launch (Hopper on): below it the kernels are
+    built without the wait (`griddepcontrol` is no instruction there) and no graph edge is made programmatic."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _hooked() -> bool:
@@ -59,7 +67,8 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fn = self.fn
-        if self.pdl is not None and self.pdl.value:  # off, the parameter's default (0) is the level
+        # off, or a GPU before Hopper: the parameter's default (0) is the level
+        if self.pdl is not None and self.pdl.value and programmatic_launch(torch._C._cuda_getDevice()):
             kwargs["PDL"] = self.pdl.value
         if not self.direct or _hooked():
             fn[grid](*args, **kwargs)
