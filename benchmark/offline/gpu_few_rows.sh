@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Products of few rows of our own (kernel/cuda/gemm.py, MINISGL_CUDA_GEMM_ROWS) and programmatic edges in the
 # decode graphs of few rows (MINISGL_GRAPH_PDL=own, MINISGL_GRAPH_PDL_ROWS), on one Hopper GPU. Parts (the
-# arguments; default all, more than one call's ten minutes: run `tests steps single`, then `llama bench`):
+# arguments; default all, more than one call's ten minutes: run `steps single`, then `tests llama peer bench`):
 #   tests   the CUDA GEMM's and the edges' GPU tests
 #   steps   the Qwen3-0.6B shape's decode graph steps of 1-64 rows (step_parts.py) in each variant below
 #   single  one stream (512 prompt tokens, 512 new ones) and four, fresh processes alternating base and gemm_pdl
 #   llama   the Llama-3-8B shape's decode graph steps of 1-16 rows, base and gemm_pdl
-#   bench   the upstream workload, bf16, fresh processes alternating base and gemm_pdl (nothing should move)
+#   peer    one stream by transformers (continuous batching, peer_cuda.py) beside minisgl's base and gemm_pdl
+#   bench   the upstream workload, bf16, base then gemm_pdl in fresh processes (nothing should move)
 # Variants: base (as the engine is), gemm (the CUDA GEMM up to 8 rows, edges as captured), gemm_edges (and the
 # edges into it programmatic), gemm_pdl (and every kernel of the step waiting and letting the next launch,
 # programmatic edges into all of them), pdl (the same edges without the CUDA GEMM). Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
-parts=${*:-tests steps single llama bench}
+parts=${*:-steps single tests llama peer bench}
 qwen=/tmp/ckpt/qwen3-0.6b
 [ -d $qwen ] || python benchmark/offline/random_checkpoint.py qwen3-0.6b $qwen > /dev/null 2>&1
 variant() {
@@ -60,9 +61,20 @@ for part in $parts; do
         done
         python benchmark/offline/step_parts.py --compare "$OUT"/steps_few_rows_llama_{base,gemm_pdl}.json
         ;;
+    peer)
+        variant base
+        echo "== 1 stream, base, with the peer"
+        timeout 150 python benchmark/offline/bench.py --model $qwen --device cuda --repeat 2 --num-requests 1 \
+            --min-len 512 --max-len 512 --json "$OUT/single_peer.json" 2>&1 | grep -E "minisgl|transformers" | tail -3
+        variant gemm_pdl
+        echo "== 1 stream, gemm_pdl"
+        timeout 60 python benchmark/offline/bench.py --model $qwen --device cuda --peer none --repeat 2 \
+            --num-requests 1 --min-len 512 --max-len 512 --json "$OUT/single_peer_gemm_pdl.json" 2>&1 |
+            grep -E "minisgl" | tail -2
+        ;;
     bench)
         i=0
-        for v in base gemm_pdl base gemm_pdl; do
+        for v in base gemm_pdl; do
             variant $v
             i=$((i + 1))
             echo "== $v"
