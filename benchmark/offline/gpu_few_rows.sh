@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Products of few rows of our own (kernel/cuda/gemm.py, MINISGL_CUDA_GEMM_ROWS) and programmatic edges in the
 # decode graphs of few rows (MINISGL_GRAPH_PDL=own, MINISGL_GRAPH_PDL_ROWS), on one Hopper GPU. Parts (the
-# arguments; default all, more than one call's ten minutes: run `steps single`, then `tests llama peer bench`):
+# arguments; default all, more than one call's ten minutes: run `steps single tests`, then `llama peer bench`):
 #   tests   the CUDA GEMM's and the edges' GPU tests
 #   steps   the Qwen3-0.6B shape's decode graph steps of 1-64 rows (step_parts.py) in each variant below
-#   single  one stream (512 prompt tokens, 512 new ones) and four, fresh processes alternating base and gemm_pdl
+#           ($STEP_VARIANTS, default base gemm gemm_pdl pdl)
+#   single  one stream (512 prompt tokens, 512 new ones; $STREAMS streams), fresh processes alternating base
+#           and gemm_pdl
 #   llama   the Llama-3-8B shape's decode graph steps of 1-16 rows, base and gemm_pdl
 #   peer    one stream by transformers (continuous batching, peer_cuda.py) beside minisgl's base and gemm_pdl
 #   bench   the upstream workload, bf16, base then gemm_pdl in fresh processes (nothing should move)
@@ -33,15 +35,16 @@ for part in $parts; do
             tests/test_graph_edges.py 2>&1 | tee "$OUT/gpu_tests_few_rows.log" | tail -4
         ;;
     steps)
-        for v in base gemm gemm_edges gemm_pdl pdl; do
+        for v in ${STEP_VARIANTS:-base gemm gemm_pdl pdl}; do
             variant $v
             timeout 100 python benchmark/offline/step_parts.py --model $qwen --drop none --graph-bs 1,2,4,8,16,64 \
                 --json "$OUT/steps_few_rows_$v.json" 2>&1 | grep -E "Error|error" | tail -3
         done
-        python benchmark/offline/step_parts.py --compare "$OUT"/steps_few_rows_{base,gemm,gemm_edges,gemm_pdl,pdl}.json
+        python benchmark/offline/step_parts.py --compare $(for v in ${STEP_VARIANTS:-base gemm gemm_pdl pdl}; do
+            echo "$OUT/steps_few_rows_$v.json"; done)
         ;;
     single)
-        for n in 1 4; do
+        for n in ${STREAMS:-1}; do
             for v in base gemm_pdl base gemm_pdl; do
                 variant $v
                 echo "== $n streams, $v"
