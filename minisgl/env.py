@@ -194,7 +194,8 @@ class _Env:
         self.GRAPH_PDL_ROWS = EnvVar(
             "MINISGL_GRAPH_PDL_ROWS",
             256,
-            "MINISGL_GRAPH_PDL's edges only in the decode graphs of at most this many rows",
+            "MINISGL_GRAPH_PDL's edges only in the CUDA graphs whose products take at most this many rows (a "
+            "decode graph's requests, a prefill graph's tokens)",
         )
         self.PDL_KERNELS = EnvVar(
             "MINISGL_PDL_KERNELS",
