@@ -116,6 +116,8 @@ def test_strided_rows_and_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch)
     assert not cuda_gemm.serves(x.half(), w.half())
     assert not cuda_gemm.serves(x, w[:1000])  # N not whole tiles
     assert not cuda_gemm.serves(wide[:, 1:2049], w)  # rows not 16-byte aligned
+    assert not cuda_gemm.serves(x, w, residual=wide[:, 1:1025])  # nor the residual's
+    assert cuda_gemm.serves(x, w, residual=wide[:, :1024].contiguous())
     monkeypatch.setattr(ENV.CUDA_GEMM_ROWS, "value", 0)
     assert not cuda_gemm.serves(x, w)
 

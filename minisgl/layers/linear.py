@@ -29,13 +29,14 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return gemm.serves(x.shape[0], *weight.shape) and weight.stride(1) == 1 and x.dtype == weight.dtype
 
 
-def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the CUDA GEMM takes x @ weight.T (Hopper, bf16, MINISGL_CUDA_GEMM_ROWS: `cuda.gemm.serves`)."""
+def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the CUDA GEMM takes x @ weight.T (+ residual) (Hopper, bf16, MINISGL_CUDA_GEMM_ROWS:
+    `cuda.gemm.serves`)."""
     if not (x.is_cuda and ENV.CUDA_GEMM_ROWS.value):
         return False
     from minisgl.kernel.cuda import gemm as cuda_gemm
 
-    return cuda_gemm.serves(x, weight)
+    return cuda_gemm.serves(x, weight, residual)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,12 +80,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) ->
 
     residual is consumed: the sum may be written over it. cuBLAS adds C in place only; torch's addmm into a
     fresh output first copies C there, a launch as long as the residual add it was meant to save."""
-    if (
-        _cuda_gemm(x, weight)
-        and residual.stride(1) == 1
-        and residual.stride(0) % 8 == 0
-        and residual.data_ptr() % 16 == 0  # its rows read and written 16 bytes at a time
-    ):
+    if _cuda_gemm(x, weight, residual):
         from minisgl.kernel.cuda import gemm as cuda_gemm
 
         return cuda_gemm.matmul(x, weight, residual=residual)

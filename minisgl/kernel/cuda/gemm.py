@@ -18,6 +18,7 @@ import torch
 
 from minisgl.env import ENV
 from minisgl.kernel.cuda import CudaModule, CudaUnavailable, load_module, source
+from minisgl.kernel.launch import programmatic_launch
 
 BN, BM, WN, WM, STAGES = 64, 16, 4, 1, 4  # the tile measured fastest at 1-16 rows on every decode shape
 SPLITS = (8, 4, 2, 1)  # programs a tile (a cluster: at most 8 portably)
@@ -52,18 +53,14 @@ def choose_split(n: int, k: int, sms: int) -> int:
 
 
 @cache
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-@cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this kernel takes x [M, K] @ w.T for w [N, K]: on a Hopper GPU, bf16, M within
-    MINISGL_CUDA_GEMM_ROWS, N a whole number of tiles, K of 64-column blocks, rows 16-byte aligned."""
+def serves(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether this kernel takes x [M, K] @ w.T for w [N, K] (plus `residual` [M, N], written over): on a Hopper
+    GPU, bf16, M within MINISGL_CUDA_GEMM_ROWS, N a whole number of tiles, K of 64-column blocks, every row
+    read or written 16 bytes at a time (aligned)."""
     rows = ENV.CUDA_GEMM_ROWS.value
     if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= min(rows, BM)):
         return False
@@ -79,9 +76,14 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
         and x.data_ptr() % 16 == 0
         and w.is_contiguous()
         and w.data_ptr() % 16 == 0
-        and _device_ok(x.device.index or 0)
+        and (residual is None or (_aligned_rows(residual) and residual.shape == (x.shape[0], n)))
+        and programmatic_launch(x.device.index or 0)
         and _module_or_none(x.device.index or 0) is not None
     )
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
 def program() -> str:
@@ -116,7 +118,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     mod = _module_or_none(index)
     assert mod is not None, "serves() first"
     if residual is not None:
-        assert residual.shape == (m, n) and residual.stride(1) == 1 and residual.stride(0) % 8 == 0
+        assert residual.shape == (m, n) and _aligned_rows(residual)
         y = residual
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
