@@ -16,6 +16,7 @@ import torch
 from minisgl.engine import graph_edges
 from minisgl.engine.graph_edges import ALWAYS_WAITS, OWN_WAITERS, graph_pattern, name_matcher, waiters_pattern
 from minisgl.env import ENV
+from minisgl.kernel import cuda as cuda_kernels
 from minisgl.kernel.cuda import gemm as cuda_gemm
 
 QWEN_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # q|k|v, o, gate|up, down
@@ -62,6 +63,26 @@ def test_a_cpu_tensor_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from minisgl.layers.linear import linear
 
     torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def _nvrtc_here() -> bool:
+    try:
+        cuda_kernels.nvrtc()
+        return True
+    except cuda_kernels.CudaUnavailable:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_here(), reason="libnvrtc not found (nvidia-cuda-nvrtc)")
+def test_every_split_compiles_for_hopper_without_spills() -> None:
+    """What the device would load, compiled here: a kernel for each split, none spilling (a spill would put
+    the float32 sums in local memory)."""
+    _, log = cuda_kernels.compile_cubin(cuda_gemm.program(), "sm_90", ["--ptxas-options=-v"], "gemm.cu")
+    blocks = {b.split("'")[0]: b for b in log.split("Compiling entry function '")[1:]}
+    for split in cuda_gemm.SPLITS:
+        name = cuda_gemm.Tiles(split).name
+        assert name in blocks, f"{name} missing from ptxas's report"
+        assert "0 bytes spill stores, 0 bytes spill loads" in blocks[name], blocks[name]
 
 
 hopper = pytest.mark.skipif(
