@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_cuda_decode import needs_nvrtc
 
 from minisgl.engine import graph_edges
 from minisgl.engine.graph_edges import ALWAYS_WAITS, OWN_WAITERS, graph_pattern, name_matcher, waiters_pattern
@@ -65,15 +66,7 @@ def test_a_cpu_tensor_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))
 
 
-def _nvrtc_here() -> bool:
-    try:
-        cuda_kernels.nvrtc()
-        return True
-    except cuda_kernels.CudaUnavailable:
-        return False
-
-
-@pytest.mark.skipif(not _nvrtc_here(), reason="libnvrtc not found (nvidia-cuda-nvrtc)")
+@needs_nvrtc
 def test_every_split_compiles_for_hopper_without_spills() -> None:
     """What the device would load, compiled here: a kernel for each split, none spilling (a spill would put
     the float32 sums in local memory)."""
