@@ -297,6 +297,83 @@ def test_chat_applies_the_chat_template(
     assert_nothing_held(llm)
 
 
+def test_vllm_prompt_dicts_and_token_id_sequences_are_prompts(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    ids = ID_PROMPTS[0]
+    want = llm.generate([TEXT_PROMPTS[0], ids], greedy(4))
+    got = llm.generate([{"prompt": TEXT_PROMPTS[0]}, {"prompt_token_ids": ids}], greedy(4))
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    # one dict alone is one prompt; a tuple or a 1-D integer tensor is a list of ids
+    assert [o["token_ids"] for o in llm.generate({"prompt_token_ids": ids}, greedy(4))] == [
+        want[1]["token_ids"]
+    ]
+    for seq in (tuple(ids), torch.tensor(ids)):
+        assert llm.generate([seq], greedy(4))[0]["token_ids"] == want[1]["token_ids"]
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize(
+    "prompts, says",
+    [
+        ([[1.5, 2]], r"prompts\[0\]\[0\] is 1.5; token ids are integers"),
+        ([[True, 2]], r"prompts\[0\]\[0\] is True"),
+        ([[[1, 2]]], r"prompts\[0\]\[0\] is \[1, 2\]"),
+        ([1, 2, 3], r"prompts\[0\] is the integer 1; .* \[\[1, 2, 3\]\] for one"),
+        (None, r"prompts=None is invalid: pass a prompt or a list of prompts"),
+        (
+            [{"prompt": "a", "multi_modal_data": {}}],
+            r"prompts\[0\] has 'multi_modal_data', which minisgl does not take",
+        ),
+        ([{"prompt": "a", "prompt_token_ids": [1]}], r"has both 'prompt' and 'prompt_token_ids'"),
+        ([{"prompt": 5}], r"prompts\[0\]\['prompt'\] is 5; it must be a string"),
+        ([{"prompt_token_ids": "abc"}], r"prompts\[0\]\['prompt_token_ids'\] is 'abc'"),
+    ],
+)
+def test_a_prompt_of_another_shape_is_refused_before_anything_runs(
+    prompts: Any, says: str, tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    with pytest.raises(ValueError, match=says):
+        llm.generate(prompts, greedy(4))
+    assert_nothing_held(llm)
+    assert llm.generate([ID_PROMPTS[0]], greedy(2))[0]["finish_reason"] == "length"
+
+
+def test_chat_takes_one_conversation_and_text_parts_and_refuses_what_the_server_refuses(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("qwen3"), max_running_req=4)
+    conversation = [{"role": "user", "content": "hello world"}]
+    [want] = llm.chat([conversation], greedy(4))
+    # vLLM's LLM.chat takes a conversation alone, and OpenAI's content parts
+    assert [o["token_ids"] for o in llm.chat(conversation, greedy(4))] == [want["token_ids"]]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    ]
+    assert llm.chat(parts, greedy(4))[0]["token_ids"] == want["token_ids"]
+    refused = {
+        "conversations[0]: messages[0].role='wizard' is invalid": [[{"role": "wizard", "content": "x"}]],
+        "'messages[0].content' has the wrong type": [[{"role": "user", "content": 5}]],
+        "a part of type 'image_url'": [
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+        ],
+        "messages is empty": [[]],
+        "messages[0].foo": [[{"role": "user", "content": "x", "foo": 1}]],
+        "conversations[1]: messages[0] has role 'tool' and needs the 'tool_call_id'": [
+            conversation,
+            [{"role": "tool", "content": "4"}],
+        ],
+        "conversations='hi' is invalid": "hi",
+    }
+    for says, conversations in refused.items():
+        with pytest.raises(ValueError) as e:
+            llm.chat(conversations, greedy(4))
+        assert says in str(e.value)
+    assert_nothing_held(llm)
+
+
 def test_two_llms_one_after_another_both_work(
     tiny_model: Callable[[str], str], hf_reference: Reference
 ) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
+from minisgl.llm.inputs import Prompt, conversation_list, prompt_list
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.backend import FlushCacheMsg
@@ -23,8 +24,6 @@ from minisgl.tokenizer.template_kwargs import TemplateKwargsCheck
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 from minisgl.utils.trace import TRACE
-
-Prompt = str | list[int]
 
 
 class RequestAllFinished(Exception):
@@ -104,7 +103,7 @@ class LLM(Scheduler):
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        return prompt
 
     def receive_msg(self, blocking: bool = False) -> list[BaseBackendMsg]:
         aborts = set(self._abort_queue)
@@ -214,12 +213,15 @@ class LLM(Scheduler):
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]] | str,
+        prompts: Any,
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; each output has text, token_ids, finish_reason and error.
+
+        `prompts`: a prompt or a list of them, each a string, a list of token ids, or vLLM's prompt dicts
+        ({"prompt": text}, {"prompt_token_ids": ids}); another shape is a ValueError naming it.
 
         `priority` (one integer a prompt, vLLM's argument) orders the prompts' admission under priority
         scheduling (`LLM(..., priority_scheduling=True)`: higher values first, or lower with
@@ -235,8 +237,7 @@ class LLM(Scheduler):
         Ctrl-C raises GenerationInterrupted, a KeyboardInterrupt whose `outputs` hold every prompt's
         output: what finished as usual, the rest with finish_reason "abort" and the tokens so far.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -294,16 +295,19 @@ class LLM(Scheduler):
 
     def chat(
         self,
-        conversations: list[list[dict[str, str]]],
+        conversations: list[list[dict[str, Any]]] | list[dict[str, Any]],
         sampling_params: list[SamplingParams] | SamplingParams | None = None,
         use_tqdm: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]) with the model's chat
-        template; `chat_template_kwargs`: variables the template reads (e.g. Qwen3's enable_thinking), as the
-        server takes them; `priority` as for generate."""
-        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
+        """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]; one conversation alone
+        too, as vLLM's chat takes it) with the model's chat template, its messages checked as the server
+        checks a request's (a bad one is a ValueError naming it); `chat_template_kwargs`: variables the
+        template reads (e.g. Qwen3's enable_thinking), as the server takes them; `priority` as for generate."""
+        prompts = [
+            self.apply_chat_template(c, chat_template_kwargs) for c in conversation_list(conversations)
+        ]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def reset_prefix_cache(self) -> bool:

@@ -565,25 +565,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
 
     def chat(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise APIError("messages is empty; send at least one message", "messages", "empty_prompt")
-        for i, m in enumerate(self.messages):
-            if m.role not in CHAT_ROLES:
-                raise APIError(
-                    f"messages[{i}].role={_short(m.role)} is invalid: it must be one of {', '.join(CHAT_ROLES)}",
-                    f"messages[{i}].role",
-                    "invalid_value",
-                )
-        out = []
-        for i, m in enumerate(self.messages):
-            message = {"role": m.role, "content": _text_content(m, i)}
-            if m.name is not None:
-                message["name"] = m.name
-            reasoning = _reasoning_of(m, i)
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
-            out.append(message)
-        return out
+        return chat_texts(self.messages)
 
     def checked_documents(self) -> list[dict[str, str]] | None:
         """documents, each an object of text fields whose names are words (the template reads them by name)."""
@@ -701,6 +683,44 @@ def _needs_parser(asked: str) -> APIError:
         name,
         "unsupported_parameter",
     )
+
+
+def chat_texts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The role, text (text parts joined), name and earlier reasoning of each message, checked; an APIError
+    naming `messages[i]...` otherwise."""
+    if not messages:
+        raise APIError("messages is empty; send at least one message", "messages", "empty_prompt")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(
+                f"messages[{i}].role={_short(m.role)} is invalid: it must be one of {', '.join(CHAT_ROLES)}",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": m.role, "content": _text_content(m, i)}
+        if m.name is not None:
+            message["name"] = m.name
+        reasoning = _reasoning_of(m, i)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+class _Conversation(_Strict):
+    messages: list[ChatMessage]
+
+
+def checked_conversation(raw: Any) -> tuple[list[dict[str, str]], list[ChatMessage]]:
+    """A conversation given as plain dicts (the offline `LLM.chat`'s) checked as a request's `messages`: its
+    chat_texts and its messages, or the APIError a request would get."""
+    try:
+        messages = _Conversation.model_validate({"messages": raw}).messages
+    except ValidationError as e:
+        raise _validation_error(e) from e
+    return chat_texts(messages), messages
 
 
 def _reasoning_of(message: ChatMessage, i: int) -> str | None:

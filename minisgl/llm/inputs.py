@@ -1,0 +1,92 @@
+"""The offline interface's prompts and conversations, checked before anything is scheduled.
+
+`LLM.generate` takes what vLLM's takes: one prompt or a list, each a string, a list of token ids, or vLLM's
+prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}). `LLM.chat` takes one conversation or a list of
+them, each message checked as the server checks a request's `messages` (roles, text parts, tool fields). A
+prompt of another shape is a ValueError that says which one and what to pass, not an error from deep inside.
+"""
+
+from __future__ import annotations
+
+import operator
+import reprlib
+from typing import Any
+
+from minisgl.server.protocol import APIError, checked_conversation
+from minisgl.server.tools import chat_messages
+
+Prompt = str | list[int]
+SHAPES = "a string, a list of token ids, {'prompt': text} or {'prompt_token_ids': ids}"
+# vLLM's prompt dicts may carry these too; minisgl runs text models alone
+_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_list(prompts: Any) -> list[Prompt]:
+    """The prompts of a generate call: one prompt (a string or a dict) or a list of them."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            f"prompts={reprlib.repr(prompts)} is invalid: pass a prompt or a list of prompts, each {SHAPES}"
+        )
+    return [_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def _prompt(p: Any, where: str) -> Prompt:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict):
+        other = sorted(str(k) for k in p if k not in _DICT_KEYS)
+        if other:
+            raise ValueError(
+                f"{where} has {', '.join(map(repr, other))}, which minisgl does not take; {where} is {SHAPES}"
+            )
+        if len(p) != 1:
+            raise ValueError(f"{where} has both 'prompt' and 'prompt_token_ids'; give one of them")
+        if "prompt" in p:
+            if not isinstance(p["prompt"], str):
+                raise ValueError(f"{where}['prompt'] is {reprlib.repr(p['prompt'])}; it must be a string")
+            return p["prompt"]
+        return token_ids(p["prompt_token_ids"], f"{where}['prompt_token_ids']")
+    if isinstance(p, int) and not isinstance(p, bool):
+        raise ValueError(
+            f"{where} is the integer {p}; a prompt of token ids is a list, and prompts are a list of prompts: "
+            "[[1, 2, 3]] for one"
+        )
+    return token_ids(p, where)
+
+
+def token_ids(ids: Any, where: str) -> list[int]:
+    """`ids` as a list of ints: a list or tuple (or a 1-D integer tensor or array) of integers, none a bool or a
+    float (a fraction would be dropped, and True read as 1)."""
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{where} is {reprlib.repr(ids)}; a prompt is {SHAPES}")
+    out = []
+    for j, t in enumerate(ids):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"{where}[{j}] is {reprlib.repr(t)}; token ids are integers") from None
+    return out
+
+
+def conversation_list(conversations: Any) -> list[list[dict[str, Any]]]:
+    """The conversations of a chat call, each checked as a request's messages: one conversation (a list of
+    message dicts, as vLLM's LLM.chat takes it) or a list of them."""
+    if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
+        conversations = [conversations]
+    if not isinstance(conversations, (list, tuple)):
+        raise ValueError(
+            f"conversations={reprlib.repr(conversations)} is invalid: pass a conversation (a list of messages, "
+            "each {'role': ..., 'content': ...}) or a list of them"
+        )
+    out = []
+    for c, raw in enumerate(conversations):
+        try:
+            texts, messages = checked_conversation(raw)
+            out.append(chat_messages(texts, messages))
+        except APIError as e:
+            raise ValueError(f"conversations[{c}]: {e.message}") from None
+    return out
