@@ -480,6 +480,7 @@ def test_with_programmatic_waits_the_kernels_still_compile_for_hopper(
 ) -> None:
     """MINISGL_PDL_KERNELS puts griddepcontrol.wait first in every decode kernel (a source of its own, so a cubin
     of its own); off, the source is the one measured without it."""
+    monkeypatch.setattr(ENV.PDL_KERNELS, "value", 0)
     plain = tc_program(TC_VARIANTS)
     monkeypatch.setattr(ENV.PDL_KERNELS, "value", 1)
     src = tc_program(TC_VARIANTS)
