@@ -37,7 +37,7 @@ for part in $parts; do
     steps)
         for v in ${STEP_VARIANTS:-base gemm gemm_pdl pdl}; do
             variant $v
-            timeout 100 python benchmark/offline/step_parts.py --model $qwen --drop none --graph-bs 1,2,4,8,16,64 \
+            timeout 100 python benchmark/offline/step_parts.py --model $qwen --drop none --graph-bs ${STEP_BS:-1,2,4,8,16,64} \
                 --json "$OUT/steps_few_rows_$v.json" 2>&1 | grep -E "Error|error" | tail -3
         done
         python benchmark/offline/step_parts.py --compare $(for v in ${STEP_VARIANTS:-base gemm gemm_pdl pdl}; do
@@ -60,7 +60,7 @@ for part in $parts; do
         for v in base gemm_pdl; do
             variant $v
             timeout 150 python benchmark/offline/step_parts.py --model /tmp/ckpt/llama3-8b --drop none \
-                --graph-bs 1,2,4,8,16 --json "$OUT/steps_few_rows_llama_$v.json" 2>&1 | grep -E "Error|error" | tail -3
+                --graph-bs ${STEP_BS:-1,2,4,8,16} --json "$OUT/steps_few_rows_llama_$v.json" 2>&1 | grep -E "Error|error" | tail -3
         done
         python benchmark/offline/step_parts.py --compare "$OUT"/steps_few_rows_llama_{base,gemm_pdl}.json
         ;;

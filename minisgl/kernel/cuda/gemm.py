@@ -24,6 +24,10 @@ BN, BM, WN, WM, STAGES = 64, 16, 4, 1, 4  # the tile measured fastest at 1-16 ro
 SPLITS = (8, 4, 2, 1)  # programs a tile (a cluster: at most 8 portably)
 BK = 64
 THREADS = WN * WM * 32
+# the largest weight (elements) it takes: at 1-8 rows it beat cuBLAS and the split-K GEMM on each Qwen3-0.6B
+# product (1-6M elements: a read of 2-13 MB, where a kernel's ramp is a large share) and lost on Llama-3-8B's
+# (17-117M), a decode graph step 1-2% slower there (docs/benchmarks.md, "Products of few rows of our own")
+MAX_WEIGHT = 8 << 20
 KERNEL_PATTERN = r"gemm_n\d+_m\d+_w\d+x\d+_s\d+_p\d+"  # the kernels' names, for engine/graph_edges.py
 
 
@@ -59,8 +63,8 @@ def _sm_count(index: int) -> int:
 
 def serves(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether this kernel takes x [M, K] @ w.T for w [N, K] (plus `residual` [M, N], written over): on a Hopper
-    GPU, bf16, M within MINISGL_CUDA_GEMM_ROWS, N a whole number of tiles, K of 64-column blocks, every row
-    read or written 16 bytes at a time (aligned)."""
+    GPU, bf16, M within MINISGL_CUDA_GEMM_ROWS, N a whole number of tiles, K of 64-column blocks, a weight of at
+    most MAX_WEIGHT elements, every row read or written 16 bytes at a time (aligned)."""
     rows = ENV.CUDA_GEMM_ROWS.value
     if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= min(rows, BM)):
         return False
@@ -71,6 +75,7 @@ def serves(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
         and x.shape[1] == k
         and n % BN == 0
         and k % BK == 0
+        and n * k <= MAX_WEIGHT
         and x.stride(1) == 1
         and x.stride(0) % 8 == 0
         and x.data_ptr() % 16 == 0
