@@ -7,7 +7,7 @@ import json
 import math
 import random
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Integers cross process boundaries as msgpack, which carries 64 bits: signed ones, and unsigned seeds.
@@ -24,6 +24,7 @@ MAX_BAD_WORDS = 128
 # logit_bias is a sparse add over the vocabulary inside the batch: its size per request is bounded so that
 # one request cannot make every step of the others slower; the bias range is OpenAI's
 MAX_LOGIT_BIAS, LOGIT_BIAS_RANGE = 1024, (-100.0, 100.0)
+MAX_N = 128  # completions of one prompt
 # A temperature below this is greedy (vLLM's rule): dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -96,6 +97,11 @@ class SamplingParams:
     bad_words: list[str] = _param(
         [], "words the output never contains (vLLM's): each as written alone and after a space, as tokens"
     )
+    n: int = _param(
+        1,
+        "completions of each prompt, offline (vLLM's and SGLang's n): a prompt's completions in a row, completion "
+        "i seeded seed + i where there is a seed; the APIs take n as their own field",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +126,8 @@ class SamplingParams:
         def is_finite(x: object) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
+        if not is_int(self.n, 1, MAX_N):
+            raise bad("n", f"it must be an integer in [1, {MAX_N}]")
         if not is_int(self.max_tokens, 1):
             raise bad("max_tokens", "it must be an integer in [1, 2**63 - 1]")
         if not (is_finite(self.temperature) and self.temperature >= 0.0):
@@ -217,3 +225,11 @@ class SamplingParams:
 def fold_seed(seed: int) -> int:
     """Any integer as a seed: the sampler hashes it as a signed 64-bit integer, so it is folded into that range."""
     return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly
+    (folded into 64 bits as the sampler folds every seed, so the last seeds wrap instead of overflowing)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed if i == 0 else fold_seed(params.seed + i)) for i in range(n)]

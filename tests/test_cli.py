@@ -257,6 +257,17 @@ def test_generate_shows_prompts_shortly_reports_a_failed_prompt_once_and_exits_1
     assert re.search(r"^2 prompts, 4 tokens in [\d.]+ s", out.stderr, re.M)
 
 
+def test_generate_prints_each_of_n_completions_under_its_prompt(model_dir: str) -> None:
+    out = minisgl(
+        "generate", "--model", model_dir, "--dtype", "float32", "--max-tokens", "4", "--ignore-eos", "--n", "2",
+        "--temperature", "1", "--seed", "5", stdin="hello world\ngood morning\n",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    headers = [line for line in out.stdout.splitlines() if line.startswith("### ")]
+    assert headers == ["### hello world"] * 2 + ["### good morning"] * 2
+    assert out.stdout.count("[finish_reason=length, 4 tokens]") == 4
+
+
 def test_ctrl_c_in_generate_prints_what_finished_and_exits_130(model_dir: str) -> None:
     prompts = [f"story number {i}" for i in range(60)]
     term = Terminal(

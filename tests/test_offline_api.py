@@ -374,6 +374,29 @@ def test_chat_takes_one_conversation_and_text_parts_and_refuses_what_the_server_
     assert_nothing_held(llm)
 
 
+def test_n_completions_of_a_prompt_come_in_a_row_seeded_as_the_server_seeds_its_choices(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("llama"), max_running_req=8)
+    prompts = [ID_PROMPTS[0], ID_PROMPTS[1]]
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    out = llm.generate(prompts, sampled)
+    assert [o["prompt_tokens"] for o in out] == [len(prompts[0])] * 3 + [len(prompts[1])] * 3
+    # choice i is the prompt sampled with seed + i: the same as asking for those seeds one prompt each
+    one_each = [replace(sampled, n=1, seed=11 + i) for i in range(3)] * 2
+    want = llm.generate([p for p in prompts for _ in range(3)], one_each)
+    assert [o["token_ids"] for o in out] == [o["token_ids"] for o in want]
+    assert len({tuple(o["token_ids"]) for o in out[:3]}) == 3, "the choices differ"
+    # greedy choices are the greedy output, each
+    [single] = llm.generate([prompts[0]], greedy(6))
+    assert [o["token_ids"] for o in llm.generate([prompts[0]], replace(greedy(6), n=2))] == [
+        single["token_ids"]
+    ] * 2
+    with pytest.raises(ValueError, match=r"n=0 is invalid: it must be an integer in \[1, 128\]"):
+        llm.generate(prompts, replace(greedy(6), n=0))
+    assert_nothing_held(llm)
+
+
 def test_two_llms_one_after_another_both_work(
     tiny_model: Callable[[str], str], hf_reference: Reference
 ) -> None:

@@ -251,6 +251,8 @@ def _generate(llm: Any, args: argparse.Namespace, prompts: list[str], params: An
     from minisgl.llm import GenerationInterrupted
 
     use_tqdm = False if args.quiet else None
+    # a prompt's n completions come in a row: each printed under its prompt
+    shown = [p for p in prompts for _ in range(params.n)]
     start = time.perf_counter()
     try:
         if args.chat:
@@ -258,11 +260,12 @@ def _generate(llm: Any, args: argparse.Namespace, prompts: list[str], params: An
         else:
             outputs = llm.generate(prompts, params, use_tqdm)
     except GenerationInterrupted as e:
-        _print_outputs(prompts, e.outputs)
-        print(f"interrupted: {e.num_finished} of {_count(len(prompts), 'prompt')} finished", file=sys.stderr)
+        _print_outputs(shown, e.outputs)
+        what = _count(len(shown), "prompt" if params.n == 1 else "completion")
+        print(f"interrupted: {e.num_finished} of {what} finished", file=sys.stderr)
         return EXIT_INTERRUPTED
     elapsed = time.perf_counter() - start
-    failed = _print_outputs(prompts, outputs)
+    failed = _print_outputs(shown, outputs)
     if not args.quiet:
         total = sum(len(o["token_ids"]) for o in outputs)
         print(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.backend import FlushCacheMsg
 from minisgl.message.tokenizer import TokenStepMsg
-from minisgl.params import INT64_MAX, INT64_MIN
+from minisgl.params import INT64_MAX, INT64_MIN, choice_params
 from minisgl.scheduler.check import check_params
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
@@ -218,7 +218,10 @@ class LLM(Scheduler):
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate for every prompt; each output has text, token_ids, finish_reason and error.
+        """Generate for every prompt; each output has text, token_ids, finish_reason and error. With
+        `SamplingParams(n=k)` a prompt has k outputs in a row (SGLang's offline shape: len(prompts) * k outputs
+        for one n), the prompt tokenized once and, from in_batch_prefix_share tokens, computed once; with a seed,
+        completion i is seeded seed + i, as the server seeds its choices.
 
         `prompts`: a prompt or a list of them, each a string, a list of token ids, or vLLM's prompt dicts
         ({"prompt": text}, {"prompt_token_ids": ids}); another shape is a ValueError naming it.
@@ -256,9 +259,16 @@ class LLM(Scheduler):
             )
         self.pending_requests, self.status_map = [], {}
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
-        for uid, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            input_ids = self._tokenize_one(prompt)
-            self.pending_requests.append(_Pending(uid, input_ids, sp, priorities[uid]))
+        # a prompt's n completions in a row (SGLang's offline shape), the prompt tokenized once; the scheduler
+        # holds the others back a step to find it in the prefix cache (in_batch_prefix_share)
+        jobs = [
+            (list(input_ids), choice, rank)  # a list each: a request's ids grow with its output
+            for prompt, sp, rank in zip(prompts, sampling_params, priorities)
+            for input_ids in [self._tokenize_one(prompt)]
+            for choice in (choice_params(replace(sp, n=1), sp.n) if sp.n > 1 else [sp])
+        ]
+        for uid, (input_ids, sp, rank) in enumerate(jobs):
+            self.pending_requests.append(_Pending(uid, input_ids, sp, rank))
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 sp.stop,
@@ -272,7 +282,7 @@ class LLM(Scheduler):
             )
         # handed to the scheduler in the order its queue keeps (the sort is stable: ties stay in the list's order)
         self.pending_requests.sort(key=lambda p: self.config.queue_rank(p.priority))
-        self._progress = GenerateProgress(len(prompts), use_tqdm)
+        self._progress = GenerateProgress(len(jobs), use_tqdm)
         TRACE.arrivals(list(self.status_map))
         try:
             self.run_forever()
@@ -283,7 +293,7 @@ class LLM(Scheduler):
             self._stop_ranks_after_error()
             self.abort_all()
             raise GenerationInterrupted(
-                [self._output(self.status_map[i]) for i in range(len(prompts))]
+                [self._output(self.status_map[i]) for i in range(len(jobs))]
             ) from None
         except BaseException:
             self._stop_ranks_after_error()
@@ -291,7 +301,7 @@ class LLM(Scheduler):
             raise
         finally:
             self._progress.close()
-        return [self._output(self.status_map[i]) for i in range(len(prompts))]
+        return [self._output(self.status_map[i]) for i in range(len(jobs))]
 
     def chat(
         self,

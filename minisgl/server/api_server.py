@@ -28,6 +28,7 @@ import minisgl
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
 from minisgl.message.frontend import TokenizeMsg, TokenLogprob, TokensMsg, TokensReply, UserReply
+from minisgl.params import choice_params
 from minisgl.server.auth import ApiKeyGuard
 from minisgl.server.client import EngineClient, EngineUnavailable, RequestGroup, ServeInfo
 from minisgl.server.coalesce import coalesce
@@ -39,7 +40,6 @@ from minisgl.server.protocol import (
     GenerateRequest,
     Prompt,
     check_call_size,
-    choice_params,
     parse_body,
     queue_priority,
     refuse_many_prompt_lists,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Annotated, Any, TypeVar, Union, get_type_hints
 
 from pydantic import (
@@ -23,11 +23,17 @@ from pydantic import (
 )
 
 from minisgl.constrained.grammar import check_grammar, choice_regex
-from minisgl.params import INT64_MAX, INT64_MIN, InvalidParam, RequestError, SamplingParams, fold_seed
+from minisgl.params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_N,
+    InvalidParam,
+    RequestError,
+    SamplingParams,
+)
 from minisgl.scheduler.check import prompt_too_long
 from minisgl.tokenizer.reasoning import ReasoningFormat
 
-MAX_N = 128  # choices per prompt
 # completions a call (prompts x n): each is a request of its own in the queue, its state held until the call
 # ends, so a 4 MiB body of one-token prompts with n=128 would otherwise ask for 10^8 of them
 MAX_CALL_COMPLETIONS = 16384
@@ -201,6 +207,8 @@ _SGLANG_NAMES = {
     "seed": "sampling_seed",
     "include_stop_str_in_output": "no_stop_trim",
 }
+# asked differently by each API, so fields of the request models themselves
+_OWN_FIELDS = ("logprobs", "n")
 # JSON object keys are strings: logit_bias's token ids arrive as "42"
 _WIRE_TYPES: dict[str, Any] = {"stop": str | list[str], "logit_bias": dict[str, float]}
 
@@ -210,7 +218,7 @@ def _sampling_fields(names: dict[str, str]) -> dict[str, Any]:
     return {
         names.get(f.name, f.name): (_WIRE_TYPES.get(f.name, hints[f.name]) | None, None)
         for f in fields(SamplingParams)
-        if f.name != "logprobs"
+        if f.name not in _OWN_FIELDS
     }
 
 
@@ -236,7 +244,7 @@ def _wire_values(body: BaseModel, names: dict[str, str], prefix: str = "") -> di
     values = {
         f.name: getattr(body, names.get(f.name, f.name))
         for f in fields(SamplingParams)
-        if f.name != "logprobs"
+        if f.name not in _OWN_FIELDS
     }
     if values["logit_bias"] is not None:
         values["logit_bias"] = _token_keys(values["logit_bias"], prefix + "logit_bias")
@@ -910,14 +918,6 @@ class GenerateRequest(_Strict):
             if e.param == "sampling_params.top_logprobs_num":  # a top-level field of the body
                 e.param = "top_logprobs_num"
             raise
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ reproducibly
-    (folded into 64 bits as the sampler folds every seed, so the last seeds wrap instead of overflowing)."""
-    if params.seed is None:
-        return [params] * n
-    return [replace(params, seed=params.seed if i == 0 else fold_seed(params.seed + i)) for i in range(n)]
 
 
 T = TypeVar("T", bound=BaseModel)
