@@ -374,6 +374,28 @@ def test_chat_takes_one_conversation_and_text_parts_and_refuses_what_the_server_
     assert_nothing_held(llm)
 
 
+def test_chat_continues_the_last_message_or_leaves_the_generation_prompt_out_as_vllm_does(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("qwen3"), max_running_req=4)
+    conversation = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "Once upon"}]
+    for options in ({"continue_final_message": True}, {"add_generation_prompt": False}, {}):
+        template = {"add_generation_prompt": not options, **options}
+        ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True, **template)[
+            "input_ids"
+        ]
+        [got] = llm.chat(conversation, greedy(4), **options)
+        [want] = llm.generate([list(ids)], greedy(4))
+        assert got["prompt_tokens"] == len(ids) and got["token_ids"] == want["token_ids"], options
+    for bad in (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"continue_final_message": True},
+    ):
+        with pytest.raises(ValueError, match="continue_final_message"):
+            llm.chat(conversation[:1] if len(bad) == 1 else conversation, greedy(4), **bad)
+    assert_nothing_held(llm)
+
+
 def test_n_completions_of_a_prompt_come_in_a_row_seeded_as_the_server_seeds_its_choices(
     tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
 ) -> None:

@@ -12,7 +12,7 @@ import operator
 import reprlib
 from typing import Any
 
-from minisgl.server.protocol import APIError, checked_conversation
+from minisgl.server.protocol import APIError, checked_conversation, template_options
 from minisgl.server.tools import chat_messages
 
 Prompt = str | list[int]
@@ -72,9 +72,12 @@ def token_ids(ids: Any, where: str) -> list[int]:
     return out
 
 
-def conversation_list(conversations: Any) -> list[list[dict[str, Any]]]:
+def conversation_list(
+    conversations: Any, add_generation_prompt: bool | None = None, continue_final_message: bool = False
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, bool]]]:
     """The conversations of a chat call, each checked as a request's messages: one conversation (a list of
-    message dicts, as vLLM's LLM.chat takes it) or a list of them."""
+    message dicts, as vLLM's LLM.chat takes it) or a list of them; and how the template ends each (the server's
+    rule for vLLM's add_generation_prompt and continue_final_message)."""
     if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
         conversations = [conversations]
     if not isinstance(conversations, (list, tuple)):
@@ -82,11 +85,12 @@ def conversation_list(conversations: Any) -> list[list[dict[str, Any]]]:
             f"conversations={reprlib.repr(conversations)} is invalid: pass a conversation (a list of messages, "
             "each {'role': ..., 'content': ...}) or a list of them"
         )
-    out = []
+    out, options = [], []
     for c, raw in enumerate(conversations):
         try:
             texts, messages = checked_conversation(raw)
             out.append(chat_messages(texts, messages))
+            options.append(template_options(add_generation_prompt, continue_final_message, messages[-1].role))
         except APIError as e:
             raise ValueError(f"conversations[{c}]: {e.message}") from None
-    return out
+    return out, options

@@ -310,13 +310,20 @@ class LLM(Scheduler):
         use_tqdm: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: list[int] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
     ) -> list[dict[str, Any]]:
         """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]; one conversation alone
         too, as vLLM's chat takes it) with the model's chat template, its messages checked as the server
         checks a request's (a bad one is a ValueError naming it); `chat_template_kwargs`: variables the
-        template reads (e.g. Qwen3's enable_thinking), as the server takes them; `priority` as for generate."""
+        template reads (e.g. Qwen3's enable_thinking), as the server takes them; `priority` as for generate;
+        `continue_final_message` (vLLM's) continues each conversation's last (assistant) message instead of
+        starting a new one, and `add_generation_prompt=False` ends the prompt after the last message."""
+        conversations, options = conversation_list(
+            conversations, add_generation_prompt, continue_final_message
+        )
         prompts = [
-            self.apply_chat_template(c, chat_template_kwargs) for c in conversation_list(conversations)
+            self.apply_chat_template(c, chat_template_kwargs, **o) for c, o in zip(conversations, options)
         ]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
@@ -346,13 +353,19 @@ class LLM(Scheduler):
         return list(priority)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, str]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
         if chat_template_kwargs:
             self._check_template_kwargs(chat_template_kwargs)
-        return chat_template_ids(self.tokenizer, messages, chat_template_kwargs)
+        return chat_template_ids(
+            self.tokenizer, messages, chat_template_kwargs, add_generation_prompt, continue_final_message
+        )
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:
         return {

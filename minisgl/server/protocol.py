@@ -555,22 +555,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     @property
     def template_options(self) -> dict[str, bool]:
         """How the chat template renders the conversation; both asked at once is an APIError (as in vLLM)."""
-        cont = bool(self.continue_final_message)
-        add = _ADD_GENERATION_PROMPT if self.add_generation_prompt is None else self.add_generation_prompt
-        if cont and self.add_generation_prompt:
-            raise APIError(
-                "continue_final_message and add_generation_prompt cannot both be true; the prompt either "
-                "continues the last message or starts a new one",
-                "continue_final_message",
-                "invalid_value",
-            )
-        if cont and self.messages and self.messages[-1].role != "assistant":
-            raise APIError(
-                "continue_final_message needs the last message to be the assistant's, which it continues",
-                "continue_final_message",
-                "invalid_value",
-            )
-        return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
+        last = self.messages[-1].role if self.messages else None
+        return template_options(self.add_generation_prompt, self.continue_final_message, last)
 
     def chat(self) -> list[dict[str, str]]:
         return chat_texts(self.messages)
@@ -691,6 +677,28 @@ def _needs_parser(asked: str) -> APIError:
         name,
         "unsupported_parameter",
     )
+
+
+def template_options(add: bool | None, cont: bool | None, last_role: str | None) -> dict[str, bool]:
+    """add_generation_prompt and continue_final_message as the chat template takes them (vLLM's fields; add
+    unset is true unless the last message is continued): both true, or a continued message that is not the
+    assistant's, is an APIError."""
+    cont = bool(cont)
+    if cont and add:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true; the prompt either "
+            "continues the last message or starts a new one",
+            "continue_final_message",
+            "invalid_value",
+        )
+    if cont and last_role is not None and last_role != "assistant":
+        raise APIError(
+            "continue_final_message needs the last message to be the assistant's, which it continues",
+            "continue_final_message",
+            "invalid_value",
+        )
+    add = _ADD_GENERATION_PROMPT if add is None else add
+    return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
 
 
 def chat_texts(messages: list[ChatMessage]) -> list[dict[str, str]]:

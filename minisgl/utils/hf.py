@@ -119,13 +119,25 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
 
 
 def chat_template_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ending with the assistant's turn.
+    """Token ids of a conversation in the model's chat template, ending with the assistant's turn (or, as
+    render_chat's flags say, without it, or inside the last message).
 
     Text a user writes never becomes a control token: see render_chat and chat_pieces_ids.
     """
-    return chat_pieces_ids(tokenizer, render_chat(tokenizer, messages, template_kwargs=template_kwargs))
+    pieces = render_chat(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+    )
+    return chat_pieces_ids(tokenizer, pieces)
 
 
 def render_chat(
