@@ -347,6 +347,7 @@ def test_chat_takes_one_conversation_and_text_parts_and_refuses_what_the_server_
     llm = make_llm(tiny_model("qwen3"), max_running_req=4)
     conversation = [{"role": "user", "content": "hello world"}]
     [want] = llm.chat([conversation], greedy(4))
+    assert llm.get_tokenizer() is llm.tokenizer  # vLLM's accessor
     # vLLM's LLM.chat takes a conversation alone, and OpenAI's content parts
     assert [o["token_ids"] for o in llm.chat(conversation, greedy(4))] == [want["token_ids"]]
     parts = [

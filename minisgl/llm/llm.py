@@ -327,6 +327,10 @@ class LLM(Scheduler):
         ]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer (transformers'), as generate and chat use it."""
+        return self.tokenizer
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache between generate calls, on every rank (a benchmark's cold start);
         True once emptied."""
