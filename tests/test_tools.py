@@ -189,6 +189,31 @@ def test_a_template_without_tools_gets_them_in_a_system_prompt(tiny_model: Calla
     assert "You can call" not in _prompt(manager, "none")
 
 
+def test_offline_chat_takes_tools_and_earlier_calls_as_the_server_renders_them(
+    tiny_llm: LLM, tiny_model: Callable[[str], str]
+) -> None:
+    """vLLM's LLM.chat(tools=...): the prompt is the chat endpoint's for the same conversation and tools (here a
+    template without tools: described in a system message, the earlier call written as text)."""
+    manager = _manager(tiny_model)
+    plan = plan_tools(TOOLS, "auto", None, ToolSupport("qwen", template_renders_tools(manager.tokenizer)))
+    ids = manager.apply_chat_template(_history(plan), plan.template_tools)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    [got] = tiny_llm.chat(HISTORY, greedy, tools=TOOLS)
+    [want] = tiny_llm.generate([ids], greedy)
+    assert got["prompt_tokens"] == len(ids) and got["token_ids"] == want["token_ids"]
+    assert (
+        tiny_llm.chat(CHAT, greedy, tools=TOOLS)[0]["prompt_tokens"]
+        > tiny_llm.chat(CHAT, greedy)[0]["prompt_tokens"]
+    )
+    for bad, says in [
+        ([{"type": "retrieval"}], "tools[0].type='retrieval' is not supported"),
+        ("x", "tools='x'"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            tiny_llm.chat(CHAT, greedy, tools=bad)
+        assert says in str(e.value)
+
+
 def test_a_control_token_spelled_in_a_tool_is_refused(tiny_model: Callable[[str], str]) -> None:
     from minisgl.core import RequestError
 

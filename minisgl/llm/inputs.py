@@ -13,7 +13,8 @@ import reprlib
 from typing import Any
 
 from minisgl.server.protocol import APIError, checked_conversation, template_options
-from minisgl.server.tools import chat_messages
+from minisgl.server.tools import ToolPlan, chat_messages, plan_tools
+from minisgl.tokenizer.tool_parser import ToolSupport
 
 Prompt = str | list[int]
 SHAPES = "a string, a list of token ids, {'prompt': text} or {'prompt_token_ids': ids}"
@@ -94,3 +95,16 @@ def conversation_list(
         except APIError as e:
             raise ValueError(f"conversations[{c}]: {e.message}") from None
     return out, options
+
+
+def tool_plan(tools: Any, support: ToolSupport) -> ToolPlan:
+    """vLLM's `tools` of LLM.chat checked as a request's (OpenAI's function tools), and how the conversation
+    carries them: to a template that renders tools, or described in a system message where it renders none."""
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(
+            f"tools={reprlib.repr(tools)} is invalid: pass a list of {{'type': 'function', ...}} tools"
+        )
+    try:
+        return plan_tools(tools, None, None, support)
+    except APIError as e:
+        raise ValueError(e.message) from None

@@ -9,7 +9,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
-from minisgl.llm.inputs import Prompt, conversation_list, prompt_list
+from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, tool_plan
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.backend import FlushCacheMsg
@@ -21,6 +21,7 @@ from minisgl.scheduler.ranks import RankProcesses, check_tp, free_tcp_addr
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, step_batch
 from minisgl.tokenizer.template_kwargs import TemplateKwargsCheck
+from minisgl.tokenizer.tool_parser import ToolSupport, detect_tool_support
 from minisgl.utils.hf import chat_template_ids
 from minisgl.utils.torch_utils import parse_dtype
 from minisgl.utils.trace import TRACE
@@ -99,6 +100,7 @@ class LLM(Scheduler):
         self._abort_queue: list[int] = []
         self._progress = GenerateProgress(0, enabled=False)
         self._check_template_kwargs = TemplateKwargsCheck(self.tokenizer)
+        self._tool_support: ToolSupport | None = None  # read from the chat template at the first chat
 
     def _tokenize_one(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -312,18 +314,26 @@ class LLM(Scheduler):
         priority: list[int] | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]; one conversation alone
         too, as vLLM's chat takes it) with the model's chat template, its messages checked as the server
         checks a request's (a bad one is a ValueError naming it); `chat_template_kwargs`: variables the
         template reads (e.g. Qwen3's enable_thinking), as the server takes them; `priority` as for generate;
         `continue_final_message` (vLLM's) continues each conversation's last (assistant) message instead of
-        starting a new one, and `add_generation_prompt=False` ends the prompt after the last message."""
+        starting a new one, and `add_generation_prompt=False` ends the prompt after the last message; `tools`
+        (vLLM's: OpenAI's function tools, checked as the server checks them) go to a template that renders them,
+        or are described in a system message where it renders none; the calls stay in the output's text."""
         conversations, options = conversation_list(
             conversations, add_generation_prompt, continue_final_message
         )
+        if self._tool_support is None:
+            self._tool_support = detect_tool_support(self.tokenizer, self.engine.model_dir)
+        # as the server: a template that renders no tools gets them, and earlier calls, as text
+        plan = tool_plan(tools, self._tool_support)
         prompts = [
-            self.apply_chat_template(c, chat_template_kwargs, **o) for c, o in zip(conversations, options)
+            self.apply_chat_template(plan.messages(c), chat_template_kwargs, **o, tools=plan.template_tools)
+            for c, o in zip(conversations, options)
         ]
         return self.generate(prompts, sampling_params, use_tqdm, priority)
 
@@ -362,13 +372,19 @@ class LLM(Scheduler):
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
         if chat_template_kwargs:
             self._check_template_kwargs(chat_template_kwargs)
         return chat_template_ids(
-            self.tokenizer, messages, chat_template_kwargs, add_generation_prompt, continue_final_message
+            self.tokenizer,
+            messages,
+            chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
         )
 
     def _output(self, status: RequestStatus) -> dict[str, Any]:

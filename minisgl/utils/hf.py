@@ -124,6 +124,7 @@ def chat_template_ids(
     template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation in the model's chat template, ending with the assistant's turn (or, as
     render_chat's flags say, without it, or inside the last message).
@@ -133,6 +134,7 @@ def chat_template_ids(
     pieces = render_chat(
         tokenizer,
         messages,
+        tools=tools,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs=template_kwargs,
