@@ -297,6 +297,45 @@ def test_chat_applies_the_chat_template(
     assert_nothing_held(llm)
 
 
+def test_vllms_and_sglangs_option_names_build_the_same_llm(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    path = tiny_model("llama")
+    ours = make_llm(path, max_seq_len_override=256, max_running_req=4, cache_type="naive", page_size=4).config
+    vllm = make_llm(
+        None, model=path, max_model_len=256, max_num_seqs=4, enable_prefix_caching=False, block_size=4
+    ).config
+    # SGLang's Engine(model_path=...) is LLM's own first argument
+    sglang = make_llm(
+        path, context_length=256, max_running_requests=4, disable_radix_cache=True, page_size=4
+    ).config
+    for config in (vllm, sglang):
+        assert config == ours
+    eager = make_llm(path, enforce_eager=True, tensor_parallel_size=1, trust_remote_code=False).config
+    assert eager.cuda_graph_max_bs == 0 and eager.tp_info.size == 1
+
+
+@pytest.mark.parametrize(
+    "options, error, says",
+    [
+        ({"bogus": 1}, TypeError, "LLM() has no option 'bogus'; its options are model_path, dtype, tp_size"),
+        ({"tp_info": None}, TypeError, "LLM() has no option 'tp_info'"),
+        ({"seed": 0}, TypeError, "pass SamplingParams(seed=...)"),
+        ({"gpu_memory_utilization": 0.5}, TypeError, "sizes its KV pool by memory_ratio"),
+        ({"max_model_len": 64, "max_seq_len_override": 64}, TypeError, "which set the same option"),
+        ({"model": "x"}, TypeError, "LLM() got model_path twice"),
+        ({"trust_remote_code": True}, ValueError, "minisgl runs its own model code only"),
+        ({"enforce_eager": False}, ValueError, "enforce_eager=False is not taken"),
+    ],
+)
+def test_an_option_llm_does_not_take_says_which_and_what_to_pass(
+    options: dict[str, Any], error: type[Exception], says: str, tiny_model: Callable[[str], str]
+) -> None:
+    with pytest.raises(error) as e:
+        LLM(tiny_model("llama"), **options)
+    assert says in str(e.value)
+
+
 def test_vllm_prompt_dicts_and_token_id_sequences_are_prompts(
     tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
 ) -> None:

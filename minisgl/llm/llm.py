@@ -10,6 +10,7 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, tool_plan
+from minisgl.llm.options import llm_options, option_names
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.backend import FlushCacheMsg
@@ -68,10 +69,18 @@ class LLM(Scheduler):
         self,
         model_path: str | None = None,
         dtype: torch.dtype | str | None = "auto",
-        tp_size: int = 1,
+        tp_size: int | None = None,
         **kwargs: Any,
     ):
-        """`tp_size` > 1 runs rank 0 in this process and starts the other ranks as child processes."""
+        """`tp_size` > 1 runs rank 0 in this process and starts the other ranks as child processes. The other
+        options are SchedulerConfig's, under vLLM's and SGLang's names too (`model`, `tensor_parallel_size`,
+        `max_model_len`, `enforce_eager`, ...: llm/options.py)."""
+        kwargs = llm_options(kwargs, option_names())
+        for name, value in (("model_path", model_path), ("tp_size", tp_size)):
+            if name in kwargs and value is not None:
+                raise TypeError(f"LLM() got {name} twice, under two names; pass one")
+        model_path = kwargs.pop("model_path", model_path)
+        tp_size = kwargs.pop("tp_size", tp_size) or 1
         config = SchedulerConfig(
             model_path=model_path,
             tp_info=DistributedInfo(0, tp_size),
