@@ -367,6 +367,18 @@ def test_served_model_names_request_log_lines_and_ctrl_c(model_dir: str) -> None
     assert "Traceback" not in s.log
 
 
+def test_the_gpu_memory_share_by_vllms_and_sglangs_names() -> None:
+    from minisgl.server.args import parse_args
+
+    vllm = parse_args(["--gpu-memory-utilization", "0.5"])
+    assert vllm == parse_args(["--mem-fraction-static", "0.5"]) and vllm.gpu_memory_utilization == 0.5
+    assert vllm.scheduler_config("", "").gpu_memory_utilization == 0.5
+    assert parse_args([]).scheduler_config("", "").gpu_memory_utilization is None
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gpu-memory-utilization", bad])
+
+
 def test_sglangs_and_vllms_option_names_set_the_same_options() -> None:
     from minisgl.llm.cli import build_parser
     from minisgl.server.args import parse_args

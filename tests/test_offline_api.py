@@ -313,6 +313,18 @@ def test_vllms_and_sglangs_option_names_build_the_same_llm(
         assert config == ours
     eager = make_llm(path, enforce_eager=True, tensor_parallel_size=1, trust_remote_code=False).config
     assert eager.cuda_graph_max_bs == 0 and eager.tp_info.size == 1
+    assert make_llm(path, mem_fraction_static=0.5).config.gpu_memory_utilization == 0.5
+
+
+def test_the_kv_pool_takes_a_share_of_free_memory_or_vllms_share_of_the_whole() -> None:
+    from minisgl.engine.engine import ACTIVATIONS_RESERVE, kv_budget
+
+    gib = 1 << 30
+    # 80 GiB, 60 free after 16 GiB of weights and 4 of another process's
+    assert kv_budget(60 * gib, 80 * gib, 0.9, None) == 54 * gib - ACTIVATIONS_RESERVE
+    # vLLM's 0.5: the instance may hold 40 GiB in all, 20 of them in use already
+    assert kv_budget(60 * gib, 80 * gib, 0.9, 0.5) == 20 * gib - ACTIVATIONS_RESERVE
+    assert kv_budget(30 * gib, 80 * gib, 0.9, 0.5) < 0  # more than half in use already: no pool (an error)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +333,12 @@ def test_vllms_and_sglangs_option_names_build_the_same_llm(
         ({"bogus": 1}, TypeError, "LLM() has no option 'bogus'; its options are model_path, dtype, tp_size"),
         ({"tp_info": None}, TypeError, "LLM() has no option 'tp_info'"),
         ({"seed": 0}, TypeError, "pass SamplingParams(seed=...)"),
-        ({"gpu_memory_utilization": 0.5}, TypeError, "sizes its KV pool by memory_ratio"),
+        (
+            {"gpu_memory_utilization": 1.5},
+            ValueError,
+            "gpu_memory_utilization=1.5 is invalid: it must be in (0, 1]",
+        ),
+        ({"memory_ratio": 0}, ValueError, "memory_ratio=0 is invalid"),
         ({"max_model_len": 64, "max_seq_len_override": 64}, TypeError, "which set the same option"),
         ({"model": "x"}, TypeError, "LLM() got model_path twice"),
         ({"trust_remote_code": True}, ValueError, "minisgl runs its own model code only"),

@@ -25,6 +25,10 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     page_size: int = 1
     memory_ratio: float = 0.9  # share of free GPU memory the KV pool may take
+    # vLLM's gpu_memory_utilization (SGLang's mem_fraction_static): the share of the GPU's whole memory in use once
+    # the KV pool is allocated (the weights and anything else already there, the pool, 2 GiB for activations and
+    # graphs), for GPUs shared with other work; None: memory_ratio of what is free after the weights
+    gpu_memory_utilization: float | None = None
     cpu_kv_budget_gib: float = 4.0  # upper bound of the KV pool on a CPU
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # None: a default that suits the device; 0 turns graphs off
@@ -50,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"page_size={self.page_size} is invalid: it must be >= 1")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req={self.max_running_req} is invalid: it must be >= 1")
+        for name in ("memory_ratio", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ValueError(f"{name}={value!r} is invalid: it must be in (0, 1]")
         if self.num_page_override is not None and self.num_page_override < 1:
             raise ValueError(f"num_page_override={self.num_page_override} is invalid: it must be >= 1")
         if self.cuda_graph_max_prefill is not None and self.cuda_graph_max_prefill < 0:

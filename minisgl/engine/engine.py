@@ -313,8 +313,8 @@ class Engine:
         )
         wanted = div_ceil(cfg.max_running_req * self.max_seq_len, cfg.page_size)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.memory_ratio) - (2 << 30)  # room for activations and graphs
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_budget(free, total, cfg.memory_ratio, cfg.gpu_memory_utilization)
         else:
             budget = int(cfg.cpu_kv_budget_gib * (1 << 30))
         pages = min(wanted, max(budget, 0) // per_page)
@@ -329,7 +329,8 @@ class Engine:
             logger.warning_rank0(f"only {pages} KV pages fit in memory; long prompts will be refused")
         if pages < 1:
             raise RuntimeError(
-                "no memory is left for the KV cache; lower max_running_req or pass num_page_override"
+                "no memory is left for the KV cache; lower max_running_req, raise gpu_memory_utilization, or pass "
+                "num_page_override"
             )
         return pages
 
@@ -515,6 +516,18 @@ class Engine:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+ACTIVATIONS_RESERVE = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
+
+
+def kv_budget(free: int, total: int, memory_ratio: float, utilization: float | None) -> int:
+    """Bytes the KV pool may take on a GPU with `free` of `total` bytes free once the weights are loaded: with
+    `utilization` (vLLM's gpu_memory_utilization), that share of the whole memory less what is in use already;
+    else `memory_ratio` of what is free; either less the activations' reserve."""
+    if utilization is not None:
+        return int(total * utilization) - (total - free) - ACTIVATIONS_RESERVE
+    return int(free * memory_ratio) - ACTIVATIONS_RESERVE
 
 
 def _destroy_process_group(timeout_s: float = 30.0) -> None:

@@ -21,6 +21,7 @@ RENAMED = {
     "chunked_prefill_size": "max_extend_tokens",
     "block_size": "page_size",
     "num_pages": "num_page_override",
+    "mem_fraction_static": "gpu_memory_utilization",
     "enable_priority_scheduling": "priority_scheduling",
     "schedule_low_priority_values_first": "low_priority_values_first",
 }
@@ -33,15 +34,7 @@ SWITCHES: dict[str, tuple[str, dict[bool, Any]]] = {
     "trust_remote_code": ("", {False: None}),  # minisgl runs its own model code only
 }
 # their options minisgl has otherwise: where to say instead
-_KV_POOL = (
-    "minisgl sizes its KV pool by memory_ratio (the share of the GPU memory free once the weights are loaded; "
-    "default 0.9) or num_pages: pass one of them"
-)
-ELSEWHERE = {
-    "seed": "minisgl seeds each request: pass SamplingParams(seed=...)",
-    "gpu_memory_utilization": _KV_POOL,
-    "mem_fraction_static": _KV_POOL,
-}
+ELSEWHERE = {"seed": "minisgl seeds each request: pass SamplingParams(seed=...)"}
 # what LLM sets itself
 _OWN = ("tp_info", "offline_mode", "zmq_backend_addr", "zmq_detokenizer_addr", "distributed_addr", "nnodes")
 

@@ -41,6 +41,7 @@ class ServerArgs:
     cache_type: str | None = None
     max_extend_tokens: int | None = None
     num_pages: int | None = None
+    gpu_memory_utilization: float | None = None  # EngineConfig.gpu_memory_utilization
     max_seq_len: int | None = None
     attention_backend: str | None = None
     cuda_graph_max_bs: int | None = None
@@ -105,6 +106,7 @@ class ServerArgs:
             "cache_type": self.cache_type,
             "max_extend_tokens": self.max_extend_tokens,
             "num_page_override": self.num_pages,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "max_seq_len_override": self.max_seq_len,
             "attention_backend": self.attention_backend,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
@@ -147,6 +149,13 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
     return value
 
 
@@ -250,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a step prefills or decodes, never both (the default on CUDA)",
     )
     engine.add_argument("--num-pages", type=_positive, help="KV pages (default: as many as memory allows)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+        type=_fraction,
+        help="the share of the GPU's memory in use once the KV pool is allocated: the weights and anything else "
+        "already there, the pool, and 2 GiB for activations; for a GPU shared with other work (vLLM's meaning) "
+        "(default: the pool takes 0.9 of the memory free after the weights)",
+    )
     engine.add_argument(
         "--max-seq-len",
         "--context-length",
