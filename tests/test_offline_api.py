@@ -370,6 +370,32 @@ def test_vllm_prompt_dicts_and_token_id_sequences_are_prompts(
     assert_nothing_held(llm)
 
 
+def test_sampling_params_as_sglangs_dicts(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    ids = ID_PROMPTS[:2]
+    want = llm.generate(ids, SamplingParams(max_tokens=5, min_tokens=5, ignore_eos=True))
+    for params in ({"max_new_tokens": 5, "min_new_tokens": 5, "ignore_eos": True},
+                   [{"max_tokens": 5, "min_tokens": 5, "ignore_eos": True}] * 2):  # fmt: skip
+        assert [o["token_ids"] for o in llm.generate(ids, params)] == [o["token_ids"] for o in want]
+    refused = {
+        "sampling_params got 'max_tokens' and 'max_new_tokens', which set the same option (max_tokens)": {
+            "max_tokens": 4,
+            "max_new_tokens": 5,
+        },
+        "sampling_params has 'bogus', which is not a sampling parameter": {"bogus": 1},
+        "sampling_params=5 is invalid": 5,
+        "sampling_params[1] is 'x'": [{}, "x"],
+        "2 prompts but 1 sampling_params": [{}],
+    }
+    for says, params in refused.items():
+        with pytest.raises(ValueError) as e:
+            llm.generate(ids, params)
+        assert says in str(e.value)
+    assert_nothing_held(llm)
+
+
 @pytest.mark.parametrize(
     "prompts, says",
     [

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import operator
 import reprlib
+from dataclasses import fields
 from typing import Any
 
-from minisgl.server.protocol import APIError, checked_conversation, template_options
+from minisgl.llm.options import put_once
+from minisgl.params import SamplingParams
+from minisgl.server.protocol import SGLANG_NAMES, APIError, checked_conversation, template_options
 from minisgl.server.tools import ToolPlan, chat_messages, plan_tools
 from minisgl.tokenizer.tool_parser import ToolSupport
 
@@ -108,3 +111,45 @@ def tool_plan(tools: Any, support: ToolSupport) -> ToolPlan:
         return plan_tools(tools, None, None, support)
     except APIError as e:
         raise ValueError(e.message) from None
+
+
+# SGLang's names of sampling fields (max_new_tokens, ...) -> ours
+_OURS = {theirs: ours for ours, theirs in SGLANG_NAMES.items() if theirs != ours}
+
+
+def sampling_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """generate's `sampling_params`: None (the defaults), one SamplingParams for every prompt, or one a prompt;
+    each may be a dict too, as SGLang's Engine.generate takes it (its names or ours)."""
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, (SamplingParams, dict)):
+        return [_as_params(sampling_params, "sampling_params")] * count  # one object: checked once
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(
+            f"sampling_params={reprlib.repr(sampling_params)} is invalid: pass a SamplingParams (or a dict of its "
+            "fields), or one a prompt"
+        )
+    if len(sampling_params) != count:
+        raise ValueError(f"{count} prompts but {len(sampling_params)} sampling_params; pass one or one each")
+    return [_as_params(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
+
+
+def _as_params(value: Any, where: str) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where} is {reprlib.repr(value)}; it must be a SamplingParams or a dict of its fields"
+        )
+    known = {f.name for f in fields(SamplingParams)}
+    ours: dict[str, Any] = {}
+    given: dict[str, str] = {}  # our name -> the key it came by
+    for key, v in value.items():
+        name = _OURS.get(key, key)
+        if name not in known:
+            raise ValueError(
+                f"{where} has {key!r}, which is not a sampling parameter; they are {', '.join(sorted(known))} "
+                f"(and SGLang's {', '.join(sorted(_OURS))})"
+            )
+        put_once(ours, given, name, key, v, where, ValueError)
+    return SamplingParams(**ours)

@@ -9,7 +9,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
-from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, tool_plan
+from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, sampling_list, tool_plan
 from minisgl.llm.options import llm_options, option_names
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
@@ -225,7 +225,7 @@ class LLM(Scheduler):
     def generate(
         self,
         prompts: Any,
-        sampling_params: list[SamplingParams] | SamplingParams | None = None,
+        sampling_params: Any = None,
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
@@ -235,7 +235,9 @@ class LLM(Scheduler):
         completion i is seeded seed + i, as the server seeds its choices.
 
         `prompts`: a prompt or a list of them, each a string, a list of token ids, or vLLM's prompt dicts
-        ({"prompt": text}, {"prompt_token_ids": ids}); another shape is a ValueError naming it.
+        ({"prompt": text}, {"prompt_token_ids": ids}); another shape is a ValueError naming it. `sampling_params`:
+        one for every prompt or one each, each a SamplingParams or a dict of its fields (SGLang's way, its names
+        such as max_new_tokens too).
 
         `priority` (one integer a prompt, vLLM's argument) orders the prompts' admission under priority
         scheduling (`LLM(..., priority_scheduling=True)`: higher values first, or lower with
@@ -252,14 +254,7 @@ class LLM(Scheduler):
         output: what finished as usual, the rest with finish_reason "abort" and the tokens so far.
         """
         prompts = prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"{len(prompts)} prompts but {len(sampling_params)} sampling_params; pass one or one each"
-            )
+        sampling_params = sampling_list(sampling_params, len(prompts))
         # one object for every prompt: checked once
         for sp in {id(sp): sp for sp in sampling_params}.values():
             check_params(sp)
@@ -317,7 +312,7 @@ class LLM(Scheduler):
     def chat(
         self,
         conversations: list[list[dict[str, Any]]] | list[dict[str, Any]],
-        sampling_params: list[SamplingParams] | SamplingParams | None = None,
+        sampling_params: Any = None,
         use_tqdm: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: list[int] | None = None,

@@ -67,11 +67,24 @@ def llm_options(kwargs: dict[str, Any], names: list[str]) -> dict[str, Any]:
                     f"LLM() has no option {name!r}; its options are {', '.join(n for n in names if n not in _OWN)}, "
                     f"and vLLM's and SGLang's names {theirs}"
                 )
-        if ours in given:
-            raise TypeError(f"LLM() got {given[ours]!r} and {name!r}, which set the same option; pass one")
-        given[ours] = name
-        out[ours] = value
+        put_once(out, given, ours, name, value, "LLM()", TypeError)
     return out
+
+
+def put_once(
+    out: dict[str, Any],
+    given: dict[str, str],
+    ours: str,
+    name: str,
+    value: Any,
+    what: str,
+    error: type[Exception],
+) -> None:
+    """out[ours] = value, given as `name` (recorded in `given`); a second name for the same `ours` is an `error`."""
+    if ours in given:
+        raise error(f"{what} got {given[ours]!r} and {name!r}, which set the same option ({ours}); pass one")
+    given[ours] = name
+    out[ours] = value
 
 
 def option_names() -> list[str]:

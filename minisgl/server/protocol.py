@@ -201,7 +201,7 @@ NO_OP_FIELDS = {
 # /generate sampling_params, where it differs. The request models below are built from SamplingParams'
 # fields, so a new sampling field reaches every endpoint (logprobs is asked differently by each API).
 _OPENAI_NAMES = {"max_tokens": "max_tokens"}
-_SGLANG_NAMES = {
+SGLANG_NAMES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
     "seed": "sampling_seed",
@@ -825,7 +825,7 @@ class CompletionRequest(_OpenAIRequest):
 
 # SGLang's names for the sampling parameters of /generate
 GenerateSamplingParams = create_model(
-    "GenerateSamplingParams", __base__=_Strict, n=(int | None, None), **_sampling_fields(_SGLANG_NAMES)
+    "GenerateSamplingParams", __base__=_Strict, n=(int | None, None), **_sampling_fields(SGLANG_NAMES)
 )
 
 
@@ -912,14 +912,14 @@ class GenerateRequest(_Strict):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or GenerateSamplingParams()
-        values = _wire_values(sp, _SGLANG_NAMES, "sampling_params.")
+        values = _wire_values(sp, SGLANG_NAMES, "sampling_params.")
         if values["max_tokens"] is None:
             values["max_tokens"] = 128  # SGLang's default
         values["logprobs"] = (self.top_logprobs_num or 0) if self.return_logprob else None
         if self.input_logprobs_from is not None:
             # the prompt's entries are computed whole and cut at the start (GenerateFormat)
             values["prompt_logprobs"] = max(values["prompt_logprobs"] or 0, self.top_logprobs_num or 0)
-        names = {**_SGLANG_NAMES, "logprobs": "top_logprobs_num"}
+        names = {**SGLANG_NAMES, "logprobs": "top_logprobs_num"}
         try:
             return checked_params(values, names, "sampling_params.")
         except APIError as e:
