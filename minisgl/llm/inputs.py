@@ -21,7 +21,7 @@ from minisgl.tokenizer.tool_parser import ToolSupport
 
 Prompt = str | list[int]
 SHAPES = "a string, a list of token ids, {'prompt': text} or {'prompt_token_ids': ids}"
-# vLLM's prompt dicts may carry these too; minisgl runs text models alone
+# the keys of vLLM's prompt dicts taken (its others are for models of more than text, or for its own engine)
 _DICT_KEYS = ("prompt", "prompt_token_ids")
 
 

@@ -267,12 +267,12 @@ class LLM(Scheduler):
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         # a prompt's n completions in a row (SGLang's offline shape), the prompt tokenized once; the scheduler
         # holds the others back a step to find it in the prefix cache (in_batch_prefix_share)
-        jobs = [
-            (list(input_ids), choice, rank)  # a list each: a request's ids grow with its output
-            for prompt, sp, rank in zip(prompts, sampling_params, priorities)
-            for input_ids in [self._tokenize_one(prompt)]
-            for choice in (choice_params(replace(sp, n=1), sp.n) if sp.n > 1 else [sp])
-        ]
+        jobs: list[tuple[list[int], SamplingParams, int]] = []
+        for prompt, sp, rank in zip(prompts, sampling_params, priorities):
+            ids = self._tokenize_one(prompt)  # a list of its own (prompt_list's or the tokenizer's)
+            choices = choice_params(replace(sp, n=1), sp.n) if sp.n > 1 else [sp]
+            # a list each: a request's ids grow with its output
+            jobs += [(ids if i == 0 else list(ids), choice, rank) for i, choice in enumerate(choices)]
         for uid, (input_ids, sp, rank) in enumerate(jobs):
             self.pending_requests.append(_Pending(uid, input_ids, sp, rank))
             detokenizer = IncrementalDetokenizer(
