@@ -92,3 +92,52 @@ def test_graphs_are_emulated_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
     assert not graphs_possible(cpu)
     monkeypatch.setattr(ENV.EMULATE_GRAPHS, "value", True)
     assert graphs_possible(cpu) and not graphs_possible(torch.device("meta"))
+
+
+def _run_parted(
+    make_llm: Any, hf_reference: Any, folder: str, monkeypatch: pytest.MonkeyPatch, order_from: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Four requests on a graph of 4 rows captured as two parts of 2 (engine/decode_parts.py: halves of whole
+    blocks of PART_ALIGN rows, 8 on a GPU for the metadata's alignment, 2 here to keep the interpreter's
+    batches small); the batch shrinks from 4 rows to 1, each step padded to 4. Returns (ours, transformers')."""
+    from minisgl.engine import decode_parts
+
+    monkeypatch.setattr(ENV.KERNELS, "value", "triton")
+    monkeypatch.setattr(ENV.EMULATE_GRAPHS, "value", True)
+    monkeypatch.setattr(ENV.DECODE_PARTS, "value", 4)
+    monkeypatch.setattr(ENV.DECODE_LONGEST_FIRST, "value", order_from)
+    monkeypatch.setattr(decode_parts, "PART_ALIGN", 2)
+    prompts = random_prompts(4, seed=11, min_len=3, max_len=12)
+    lengths = [4, 2, 5, 3]
+    llm = make_llm(folder, max_running_req=4, device="cpu", **GRAPHS)
+    assert llm.engine.graph_runner.splits == {4: 2}
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    ours = [o["token_ids"] for o in llm.generate(prompts, params)]
+    return ours, [w[:n] for w, n in zip(hf_reference(folder, prompts, 5), lengths)]
+
+
+@pytest.mark.parametrize("order_from", [4, 0])
+def test_a_decode_graph_in_two_parts_gives_the_greedy_tokens_of_transformers(
+    order_from: int, tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each part's attention over its own rows, in its own longest-first order where ordered."""
+    ours, want = _run_parted(make_llm, hf_reference, tiny_model("qwen3"), monkeypatch, order_from)
+    assert ours == want
+
+
+def test_a_part_attending_over_the_other_parts_rows_gives_other_tokens(
+    tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test above has teeth: with the first part's metadata given to both parts, the second part attends
+    over the first part's rows, and the tokens are no longer transformers'."""
+    from minisgl.attention.triton_backend import TritonAttnBackend
+
+    part_metadata = TritonAttnBackend.part_metadata
+
+    def first_twice(self: TritonAttnBackend, bs: int, split: int) -> list[Any]:
+        first = part_metadata(self, bs, split)[0]
+        return [first, first]
+
+    monkeypatch.setattr(TritonAttnBackend, "part_metadata", first_twice)
+    ours, want = _run_parted(make_llm, hf_reference, tiny_model("qwen3"), monkeypatch, 4)
+    assert ours != want
