@@ -115,8 +115,6 @@ class Batch:
     # a prefill's tokens padded to this many (0: not padded): for its CUDA graph, or rounded up when eager
     # (engine/prefill_graph.py)
     padded_tokens: int = field(init=False, default=0)
-    # a decode step replaying a graph captured in two parts (engine/decode_parts.py): the first part's rows; 0: whole
-    decode_split: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.padded_reqs = self.reqs

@@ -204,20 +204,6 @@ class _Env:
             "on a Hopper GPU, the kernels of a decode step begin by waiting for their inputs on the device (1), and "
             "then let the next kernel launch (2), for graph edges made programmatic (MINISGL_GRAPH_PDL); 0: neither",
         )
-        self.DECODE_PARTS = EnvVar(
-            "MINISGL_DECODE_PARTS",
-            0,
-            "on CUDA, decode graphs of at least this many rows are captured as two halves of the batch on two "
-            "streams, one half's attention beside the other's products (engine/decode_parts.py; dense models, "
-            "one GPU); 0: whole",
-        )
-        self.DECODE_PARTS_PRIORITY = EnvVar(
-            "MINISGL_DECODE_PARTS_PRIORITY",
-            True,
-            "in decode graphs captured in two parts (MINISGL_DECODE_PARTS), every kernel but decode attention's "
-            "at the device's greatest priority, so that their programs go before attention's waiting ones; 0: "
-            "the graph's kernels at one priority",
-        )
         self.EMULATE_GRAPHS = EnvVar(
             "MINISGL_EMULATE_GRAPHS",
             False,

@@ -105,30 +105,6 @@ def test_decode_longest_first_leaves_transformers_tokens(
     assert [o["token_ids"] for o in out] == hf_reference(folder, prompts, 10)
 
 
-@pytest.mark.parametrize("priority", [True, False])
-@pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_decode_graphs_in_two_parts_give_transformers_tokens(
-    variant: str, priority: bool, tiny_model, hf_reference, make_llm, monkeypatch
-) -> None:
-    # graphs of 16, 32 and 40 rows captured as two parts on two streams (engine/decode_parts.py), their kernels
-    # at two priorities or one; the batch shrinks through all of them, and through the whole graphs below
-    from minisgl.engine.decode_parts import PriorityGraph
-
-    monkeypatch.setattr(ENV.DECODE_PARTS, "value", 16)
-    monkeypatch.setattr(ENV.DECODE_PARTS_PRIORITY, "value", priority)
-    folder = tiny_model(variant)
-    prompts = random_prompts(40, seed=13, max_len=60)
-    llm = gpu_llm(make_llm, folder, page_size=16, max_running_req=40)
-    runner = llm.engine.graph_runner
-    assert {bs: s for bs, s in runner.splits.items() if s} == {16: 8, 32: 16, 40: 16}
-    assert isinstance(runner.graphs[32], PriorityGraph) == priority
-    lengths = [1 + i % 12 for i in range(40)]
-    out = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
-    want = hf_reference(folder, prompts, 12)
-    assert [o["token_ids"] for o in out] == [w[:n] for w, n in zip(want, lengths)]
-    assert llm.table_manager.available_size == 40
-
-
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mixed_steps_give_transformers_tokens(

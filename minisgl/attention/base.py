@@ -5,7 +5,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,8 +51,6 @@ class BaseAttnBackend(ABC):
     # whether a prefill step's tokens may be followed by padding tokens of no request (their K/V on the scratch
     # slot, their outputs ignored): the prefill graphs' padding, and an eager step's rounding (prefill_graph.py)
     takes_padded_prefill = False
-    # whether `part_metadata` gives the parts of a decode graph captured in two (engine/decode_parts.py)
-    captures_decode_parts = False
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
@@ -103,11 +100,6 @@ class BaseAttnBackend(ABC):
 
     def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
-
-    def part_metadata(self, bs: int, split: int) -> list[Any]:
-        """The static metadata of each part of a decode graph of `bs` rows captured in two parts, the first of
-        `split` rows (engine/decode_parts.py), after prepare_for_capture of the whole batch."""
-        raise NotImplementedError(f"{type(self).__name__} does not capture decode graphs in parts")
 
     # prefill graphs (engine/prefill_graph.py): static metadata for `max_reqs` requests
     def init_prefill_capture(self, max_reqs: int) -> None:

@@ -105,7 +105,6 @@ def _tensor_core_decode(
 class TritonAttnBackend(BaseAttnBackend):
     supports_cuda_graphs = True
     takes_padded_prefill = True
-    captures_decode_parts = True
 
     def __init__(
         self,
@@ -143,7 +142,7 @@ class TritonAttnBackend(BaseAttnBackend):
         rows = [r.table_idx for r in reqs]
         lens = [r.device_len for r in reqs]
         if batch.is_decode:
-            batch.attn_metadata = self._decode_metadata(rows, lens, batch.decode_split)
+            batch.attn_metadata = self._decode_metadata(rows, lens)
             return
         decode = None
         # a prefill graph's replay keeps its static metadata
@@ -168,15 +167,14 @@ class TritonAttnBackend(BaseAttnBackend):
             packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens), decode=decode
         )
 
-    def _decode_metadata(self, rows: list[int], lens: list[int], split: int = 0) -> TritonAttnMetadata:
-        """A decode step's metadata (rows and context lengths, the programs' order where ordered) in one copy;
-        for a graph of two parts (`split`: the first part's rows), each part's order over its own rows."""
+    def _decode_metadata(self, rows: list[int], lens: list[int]) -> TritonAttnMetadata:
+        """A decode step's metadata (rows and context lengths, the programs' order where ordered) in one copy."""
         # rows padded to 4 ints keep every row of `packed` 16-byte aligned: Triton specialises pointer
         # arguments on that alignment, and without the padding each batch size modulo 4 compiles anew
         pad = [0] * (-len(rows) % 4)
         flat, num = rows + pad + lens + pad, 2
         if self.ordered(len(rows)):
-            flat, num = flat + self.order_row(lens, split) + pad, 3
+            flat, num = flat + decode_order(lens) + pad, 3
         host = int_tensor(flat, torch.int32).view(num, -1)
         packed = to_device_async(host, self.device)[:, : len(rows)]
         return TritonAttnMetadata(
@@ -186,14 +184,6 @@ class TritonAttnBackend(BaseAttnBackend):
             order=packed[2] if num == 3 else None,
             num_splits=decode_splits(len(rows), self.kv_cache.num_kv_heads),
         )
-
-    @staticmethod
-    def order_row(lens: list[int], split: int = 0) -> list[int]:
-        """The programs' order of an ordered decode batch: longest context first over the batch, or over each
-        part of a graph captured in two (`split`: the first part's rows), each part's indices its own."""
-        if not split:
-            return decode_order(lens)
-        return decode_order(lens[:split]) + decode_order(lens[split:])
 
     def ordered(self, batch_size: int) -> bool:
         """Whether a decode batch of this size starts its programs longest context first."""
@@ -319,30 +309,9 @@ class TritonAttnBackend(BaseAttnBackend):
         # the dummy request's row and length: the warm-up run before capture reads real values
         self.graph_meta[0, :bs] = batch.padded_reqs[0].table_idx
         self.graph_meta[1, :bs] = batch.padded_reqs[0].device_len
-        if self.order_from > 0:  # each part's order over its own rows where the graph has two
-            order = [
-                i for lo, hi in ((0, batch.decode_split), (batch.decode_split, bs)) for i in range(hi - lo)
-            ]
-            self.graph_meta[2, :bs] = torch.tensor(order, dtype=torch.int32, device=self.device)
+        if self.order_from > 0:
+            self.graph_meta[2, :bs] = torch.arange(bs, dtype=torch.int32, device=self.device)
         batch.attn_metadata = self._static_metadata(bs)
-
-    def part_metadata(self, bs: int, split: int) -> list[TritonAttnMetadata]:
-        """The static metadata of a graph of `bs` rows captured in two parts, `split` rows the first: each part
-        a slice of the whole batch's columns (prepare_for_capture first), its own splits along the sequence."""
-        whole = self._static_metadata(bs)
-        parts = []
-        for lo, hi in ((0, split), (split, bs)):
-            packed = whole.packed[:, lo:hi]
-            parts.append(
-                TritonAttnMetadata(
-                    packed,
-                    packed[0],
-                    packed[1],
-                    order=packed[2] if whole.order is not None else None,
-                    num_splits=decode_splits(hi - lo, self.kv_cache.num_kv_heads),
-                )
-            )
-        return parts
 
     def prepare_for_replay(self, batch: Batch) -> None:
         assert self.graph_meta is not None, "init_capture_graph comes first"

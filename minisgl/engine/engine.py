@@ -15,7 +15,6 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
-from minisgl.engine.decode_parts import PartedForward, supports_parts
 from minisgl.engine.graph import GraphRunner, graphs_possible
 from minisgl.engine.prefill_graph import PrefillGraphRunner
 from minisgl.engine.prepare import (
@@ -156,11 +155,6 @@ class Engine:
             mc.vocab_size,
             self.token_pool,
             slots_in_inputs=self.page_size == 1,  # the scheduler's cache manager gives them (prepare_batch)
-            parted=(
-                PartedForward(self.model, self.device)
-                if ENV.DECODE_PARTS.value and supports_parts(self.model, self.tp_info.size)
-                else None
-            ),
         )
         self.prefill_graphs = PrefillGraphRunner(
             self.device,

@@ -25,14 +25,6 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx
-from minisgl.engine.decode_parts import (
-    PartedForward,
-    PriorityGraph,
-    attention_matcher,
-    part_batches,
-    part_split,
-    set_priorities,
-)
 from minisgl.engine.graph_edges import graph_pattern, make_programmatic, name_matcher
 from minisgl.env import ENV
 from minisgl.utils.logger import init_logger
@@ -89,16 +81,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def capture_forward(
-    forward: Callable[[], torch.Tensor],
-    batch: Batch,
-    pool: Any,
-    stream: torch.cuda.Stream | None,
-    high_priority: Callable[[str], bool] | None = None,
+    forward: Callable[[], torch.Tensor], batch: Batch, pool: Any, stream: torch.cuda.Stream | None
 ) -> tuple[Graph, torch.Tensor]:
     """A graph of `forward` over `batch` (its inputs in static buffers) and the graph's output buffer; a
     run outside the capture comes first: it compiles and autotunes this shape. Without a stream (a CPU)
-    the graph is emulated. `high_priority`: the kernels (by name) whose programs go first, the others' after
-    (decode_parts.py), in a graph instantiated to honour that."""
+    the graph is emulated."""
     if stream is None:
         with get_global_ctx().forward_batch(batch):
             forward()
@@ -111,7 +98,7 @@ def capture_forward(
 
         if not programmatic_launch(stream.device.index or 0):
             pdl = ""
-    graph = torch.cuda.CUDAGraph(keep_graph=bool(pdl) or high_priority is not None)
+    graph = torch.cuda.CUDAGraph(keep_graph=bool(pdl))
     with get_global_ctx().forward_batch(batch):
         forward()
         torch.cuda.synchronize(stream.device)
@@ -126,15 +113,6 @@ def capture_forward(
             if not _EDGE_WARNINGS:
                 logger.warning_rank0(f"CUDA graphs keep their edges as captured: {e}")
             _EDGE_WARNINGS.append(str(e))
-    if high_priority is not None:
-        try:
-            set_priorities(graph.raw_cuda_graph(), high_priority)
-            return PriorityGraph(graph), out
-        except (RuntimeError, AttributeError) as e:
-            if not _EDGE_WARNINGS:
-                logger.warning_rank0(f"CUDA graphs keep their kernels at one priority: {e}")
-            _EDGE_WARNINGS.append(str(e))
-    if pdl or high_priority is not None:
         graph.instantiate()
     return graph, out
 
@@ -197,7 +175,6 @@ class GraphRunner:
         vocab_size: int,
         token_pool: torch.Tensor,
         slots_in_inputs: bool,
-        parted: PartedForward | None = None,
     ) -> None:
         self.device = device
         self.enabled = graphs_possible(device) and max_bs > 0
@@ -216,10 +193,6 @@ class GraphRunner:
         # Engine.prepare_batch), or the graph gathers them from the page table
         self.slots_in_inputs = slots_in_inputs
         self.graphs: dict[int, Graph] = {}
-        # the graphs captured in two parts (MINISGL_DECODE_PARTS), where the model and backend allow: the
-        # first part's rows by batch size
-        self.parted = parted
-        self.splits: dict[int, int] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: object | None = None  # the captured graphs' memory pool
         self.dummy_req = dummy_req(dummy_table_idx)
@@ -234,9 +207,8 @@ class GraphRunner:
         """A decode batch that will replay a graph gets dummy requests up to the captured size."""
         if not self.graphs or not batch.is_decode or batch.size > self.max_bs:
             return
-        padded = self.padded_size(batch.size)
-        batch.padded_reqs = batch.reqs + [self.dummy_req] * (padded - batch.size)
-        batch.decode_split = self.splits.get(padded, 0)
+        extra = self.padded_size(batch.size) - batch.size
+        batch.padded_reqs = batch.reqs + [self.dummy_req] * extra
 
     @torch.inference_mode()
     def capture(self, stream: torch.cuda.Stream | None) -> None:
@@ -261,19 +233,9 @@ class GraphRunner:
                 rows, batch.positions, slots = self.inputs.views(bs)
                 if self.slots_in_inputs:
                     batch.out_loc = slots
-                batch.decode_split = self._split(bs)
                 self.attn_backend.prepare_for_capture(batch)
-                forward: Callable[[], torch.Tensor] = partial(self._gather_and_forward, batch, rows)
-                high = None
-                if batch.decode_split:
-                    parts = part_batches(batch, batch.decode_split)
-                    for part, meta in zip(parts, self.attn_backend.part_metadata(bs, batch.decode_split)):
-                        part.attn_metadata = meta
-                    forward = partial(self._gather_and_forward, batch, rows, parts)
-                    if stream is not None and ENV.DECODE_PARTS_PRIORITY.value:
-                        high = attention_matcher()
-                self.splits[bs] = batch.decode_split
-                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream, high)
+                forward = partial(self._gather_and_forward, batch, rows)
+                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         self.pool = pool  # the prefill graphs share it
@@ -283,24 +245,13 @@ class GraphRunner:
             f"in {time.perf_counter() - start:.1f} s"
         )
 
-    def _split(self, bs: int) -> int:
-        """The first part's rows of the graph of `bs` rows, 0 where it is captured whole."""
-        if self.parted is None or not self.attn_backend.captures_decode_parts:
-            return 0
-        return part_split(bs, ENV.DECODE_PARTS.value)
-
-    def _gather_and_forward(
-        self, batch: Batch, rows: torch.Tensor, parts: list[Batch] | None = None
-    ) -> torch.Tensor:
+    def _gather_and_forward(self, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """What a decode graph runs: its token ids gathered at its rows and positions, its KV slots too where
         they do not come with the inputs (the page table holds them by then: the scheduler's cache manager
-        wrote them before the replay, in stream order; the dummy row's are the scratch slot), then the model,
-        whole or in `parts`."""
+        wrote them before the replay, in stream order; the dummy row's are the scratch slot), then the model."""
         batch.input_ids = self.token_pool[rows, batch.positions]
         if not self.slots_in_inputs:
             batch.out_loc = get_global_ctx().page_table[rows, batch.positions].to(torch.int64)
-        if parts is not None and self.parted is not None:
-            return self.parted(batch, parts)
         return self.forward()
 
     def replay(self, batch: Batch) -> torch.Tensor:
@@ -312,5 +263,4 @@ class GraphRunner:
 
     def destroy(self) -> None:
         self.graphs.clear()
-        self.splits.clear()
         self.logits.clear()

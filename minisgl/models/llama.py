@@ -166,19 +166,10 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the last position of every request in the batch being forwarded (then, in a prefill,
         of the prompt positions batch.prompt_logit_indices names)."""
         batch = get_global_ctx().batch
-        hidden = self.hidden_states()
+        hidden = self.model(batch.input_ids, batch.positions)
         if batch.is_prefill:
             rows = batch.last_indices
             if batch.prompt_logit_indices is not None:
                 rows = torch.cat([rows, batch.prompt_logit_indices])
             hidden = hidden[rows]
-        return self.logits(hidden)
-
-    def hidden_states(self) -> torch.Tensor:
-        """The final norm's output at every position of the batch being forwarded."""
-        batch = get_global_ctx().batch
-        return self.model(batch.input_ids, batch.positions)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of these rows of hidden states."""
         return self.lm_head(hidden).float()
