@@ -196,7 +196,8 @@ class _Env:
             "MINISGL_GRAPH_PDL_ROWS",
             8,
             "MINISGL_GRAPH_PDL's edges only in the CUDA graphs whose products take at most this many rows (a "
-            "decode graph's requests, a prefill graph's tokens)",
+            "decode graph's requests, a prefill graph's tokens), of a model whose products are short "
+            "(engine/graph_edges.py's short_products)",
         )
         self.PDL_KERNELS = EnvVar(
             "MINISGL_PDL_KERNELS",

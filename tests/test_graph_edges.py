@@ -68,6 +68,24 @@ def test_own_waiters_are_exactly_the_kernels_that_wait() -> None:
     assert not name_matcher("")("_rope_kernel")
 
 
+def test_edges_only_for_models_of_short_products() -> None:
+    from torch import nn
+
+    from minisgl.engine.graph_edges import MAX_SHORT_PRODUCT, graph_pattern, short_products
+    from minisgl.layers.embedding import ParallelLMHead
+    from minisgl.layers.linear import LinearReplicated
+
+    with torch.device("meta"):  # one rank (the default): the LM head whole
+        # a Qwen3-0.6B-sized layer's largest product (gate|up, 6M elements) beside a 151,936-token LM head
+        small = nn.ModuleList([LinearReplicated(1024, 6144), ParallelLMHead(151936, 1024)])
+        # a Llama-3-8B-sized o projection (16M)
+        large = nn.ModuleList([LinearReplicated(1024, 6144), LinearReplicated(4096, 4096)])
+    assert 6144 * 1024 <= MAX_SHORT_PRODUCT < 4096 * 4096
+    assert short_products(small) and not short_products(large)
+    assert not short_products(nn.Linear(2, 2))  # no layer of this project's: nothing known, no edges
+    assert graph_pattern(1, False) == "" and graph_pattern(10_000, True) == ""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("wait", [False, True])

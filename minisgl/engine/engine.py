@@ -16,6 +16,7 @@ from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
 from minisgl.engine.graph import GraphRunner, graphs_possible
+from minisgl.engine.graph_edges import short_products
 from minisgl.engine.prefill_graph import PrefillGraphRunner
 from minisgl.engine.prepare import (
     ForwardInput,
@@ -144,6 +145,7 @@ class Engine:
         self.ctx = Context(self.page_size, self.kv_cache, self.page_table, self.attn_backend)
         set_global_ctx(self.ctx)
         self.sampler = Sampler(self.device, mc.vocab_size)
+        short = short_products(self.model)  # whether the graphs' edges may be programmatic
         self.graph_runner = GraphRunner(
             self.device,
             min(graph_bs, config.max_running_req),
@@ -155,6 +157,7 @@ class Engine:
             mc.vocab_size,
             self.token_pool,
             slots_in_inputs=self.page_size == 1,  # the scheduler's cache manager gives them (prepare_batch)
+            short_products=short,
         )
         self.prefill_graphs = PrefillGraphRunner(
             self.device,
@@ -163,6 +166,7 @@ class Engine:
             self.model.forward,
             config.max_running_req,
             scratch_row=use_graphs,
+            short_products=short,
         )
         self.compiled_decode = CompiledDecode(
             self.model.forward, self.device, self.attn_backend, self.tp_info.size

@@ -81,18 +81,23 @@ def synchronize(device: torch.device) -> None:
 
 
 def capture_forward(
-    forward: Callable[[], torch.Tensor], batch: Batch, pool: Any, stream: torch.cuda.Stream | None
+    forward: Callable[[], torch.Tensor],
+    batch: Batch,
+    pool: Any,
+    stream: torch.cuda.Stream | None,
+    short_products: bool = True,
 ) -> tuple[Graph, torch.Tensor]:
     """A graph of `forward` over `batch` (its inputs in static buffers) and the graph's output buffer; a
     run outside the capture comes first: it compiles and autotunes this shape. Without a stream (a CPU)
-    the graph is emulated."""
+    the graph is emulated. `short_products`: the model's products are short enough for programmatic edges
+    (graph_edges.short_products)."""
     if stream is None:
         with get_global_ctx().forward_batch(batch):
             forward()
             out = forward()
         return ReplayedForward(forward, batch, out), out
     # the rows the step's products take: a decode graph's requests, a prefill graph's tokens
-    pdl = graph_pattern(batch.padded_tokens if batch.is_prefill else batch.size)
+    pdl = graph_pattern(batch.padded_tokens if batch.is_prefill else batch.size, short_products)
     if pdl:
         from minisgl.kernel.launch import programmatic_launch  # Triton's import: a CUDA run's only
 
@@ -175,6 +180,7 @@ class GraphRunner:
         vocab_size: int,
         token_pool: torch.Tensor,
         slots_in_inputs: bool,
+        short_products: bool = True,
     ) -> None:
         self.device = device
         self.enabled = graphs_possible(device) and max_bs > 0
@@ -192,6 +198,7 @@ class GraphRunner:
         # a step's KV slots come in its packed inputs (a slot a page: the scheduler hands them to
         # Engine.prepare_batch), or the graph gathers them from the page table
         self.slots_in_inputs = slots_in_inputs
+        self.short_products = short_products  # programmatic edges pay (graph_edges.short_products)
         self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: object | None = None  # the captured graphs' memory pool
@@ -235,7 +242,7 @@ class GraphRunner:
                     batch.out_loc = slots
                 self.attn_backend.prepare_for_capture(batch)
                 forward = partial(self._gather_and_forward, batch, rows)
-                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream)
+                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream, self.short_products)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         self.pool = pool  # the prefill graphs share it

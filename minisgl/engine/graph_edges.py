@@ -20,6 +20,9 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 # this project's kernels that wait for their inputs first when MINISGL_PDL_KERNELS is on: the decode step's Triton
 # kernels (kernel/launch.py's wait_for_inputs) and the CUDA decode kernels (decode_common.cuh's)
@@ -29,6 +32,9 @@ OWN_WAITERS = (
 )
 # the CUDA GEMM (kernel/cuda/gemm.py) waits whatever the switch says
 ALWAYS_WAITS = r"^gemm_n\d+_m\d+_w\d+x\d+_s\d+_p\d+$"
+# the largest product (weight elements) of a model whose decode graphs take programmatic edges: the CUDA GEMM's
+# bound (kernel/cuda/gemm.py's MAX_WEIGHT), measured on the same two models
+MAX_SHORT_PRODUCT = 8 << 20
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: when the producer's programs let it
 _DEPENDENCY_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
@@ -153,14 +159,34 @@ def waiters_pattern(setting: str, pdl_kernels: int) -> str:
     return f"{OWN_WAITERS}|{ALWAYS_WAITS}" if pdl_kernels >= 1 else ALWAYS_WAITS
 
 
-def graph_pattern(rows: int) -> str:
+def graph_pattern(rows: int, short_products: bool = True) -> str:
     """The waiters whose edges are made programmatic in a graph whose products take `rows` rows: MINISGL_GRAPH_PDL
-    in graphs of at most MINISGL_GRAPH_PDL_ROWS rows, none in larger ones."""
+    in graphs of at most MINISGL_GRAPH_PDL_ROWS rows of a model whose products are short (`short_products`),
+    none elsewhere."""
     from minisgl.env import ENV
 
-    if rows > ENV.GRAPH_PDL_ROWS.value:
+    if rows > ENV.GRAPH_PDL_ROWS.value or not short_products:
         return ""
     return waiters_pattern(ENV.GRAPH_PDL.value, ENV.PDL_KERNELS.value)
+
+
+def short_products(model: Any) -> bool:
+    """Whether every product of the model's layers reads at most MAX_SHORT_PRODUCT weight elements (the LM head
+    apart): where the edges pay. On an H100 the programmatic edges took 3-5% off a Qwen3-0.6B decode step of 1-8
+    rows (products of 1-6M elements, a few microseconds each) and added 1.1-2.4% to a Llama-3-8B one (17-117M
+    elements), whose kernels are long and whose early-launched waiting programs hold SMs the running products
+    need (docs/benchmarks.md, "Programmatic edges by the model's product size")."""
+    from minisgl.layers.embedding import VocabParallelEmbedding
+    from minisgl.layers.linear import QuantizableLinear
+
+    sizes = [
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, QuantizableLinear)
+        and not isinstance(m, VocabParallelEmbedding)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
+    return bool(sizes) and max(sizes) <= MAX_SHORT_PRODUCT
 
 
 def name_matcher(pattern: str) -> Callable[[str], bool]:

@@ -117,6 +117,7 @@ class PrefillGraphRunner:
         forward: Callable[[], torch.Tensor],
         dummy_table_idx: int,
         scratch_row: bool = True,
+        short_products: bool = True,
     ) -> None:
         """`scratch_row`: every slot of the page table's row `dummy_table_idx` is the scratch slot (the engine keeps
         one where decode graphs run); without it no step is padded, eager or not (a padding token's K/V would land
@@ -137,6 +138,7 @@ class PrefillGraphRunner:
         self.forward = forward
         self.dummy_table_idx = dummy_table_idx
         self.empty_req = dummy_req(dummy_table_idx, cached_len=1)  # extend_len 0
+        self.short_products = short_products  # programmatic edges pay (graph_edges.short_products)
         self.graphs: dict[int, Graph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -189,7 +191,9 @@ class PrefillGraphRunner:
                 self.inputs.bind(batch, tokens)
                 batch.last_indices = self.last_indices
                 self.attn_backend.prepare_for_prefill_capture(batch, tokens)
-                graph, self.logits[tokens] = capture_forward(self.forward, batch, pool, stream)
+                graph, self.logits[tokens] = capture_forward(
+                    self.forward, batch, pool, stream, self.short_products
+                )
                 pool = graph.pool()
                 self.graphs[tokens] = graph
         synchronize(self.device)
