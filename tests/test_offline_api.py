@@ -191,6 +191,7 @@ def test_a_request_stops_at_any_eos_id_of_the_generation_config(
     assert {ref[i][end] for i, end in enumerate(ends) if end is not None} >= {first_eos, second_eos}
     assert [o["token_ids"] for o in out] == [r if end is None else r[:end] for r, end in zip(ref, ends)]
     assert [o["finish_reason"] for o in out] == ["length" if end is None else "stop" for end in ends]
+    assert all(o["stop_reason"] is None for o in out)  # an EOS is no stop string or stop token id (vLLM's)
     # ignore_eos runs through them all
     out = llm.generate(ID_PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
     assert [o["token_ids"] for o in out] == ref
@@ -211,6 +212,9 @@ def test_stop_token_ids_end_a_request_without_appearing_in_it(
     ends = [_first_stop(r, {t, 1}) for r, t in zip(ref, stop_ids)]
     assert [o["token_ids"] for o in out] == [r[:end] for r, end in zip(ref, ends)]
     assert all(o["finish_reason"] == "stop" for o in out)
+    # vLLM's stop_reason: the stop token id that ended it
+    assert [o["stop_reason"] for o in out] == [r[end] for r, end in zip(ref, ends)]
+    assert [o.outputs[0].stop_reason for o in out] == [o["stop_reason"] for o in out]
     # include_stop_str_in_output: the stop token stays, in the ids and the text
     kept = llm.generate(ID_PROMPTS, [replace(p, include_stop_str_in_output=True) for p in params])
     assert [o["token_ids"] for o in kept] == [r[: end + 1] for r, end in zip(ref, ends)]
@@ -257,7 +261,7 @@ def test_stop_strings_end_a_request_and_are_cut_from_the_text(
         assert o["token_ids"] == ref[i][:end]
         text = decode(ref[i][:end])
         assert o["text"] == text[: text.index(stop)]
-        assert stop not in o["text"]
+        assert stop not in o["text"] and o["stop_reason"] == stop
     kept = llm.generate(
         prompts,
         [
@@ -269,6 +273,37 @@ def test_stop_strings_end_a_request_and_are_cut_from_the_text(
     )
     for (_, stop), o, cut in zip(picks, kept, out):
         assert o["text"] == cut["text"] + stop and o["token_ids"] == cut["token_ids"]
+    assert_nothing_held(llm)
+
+
+def test_outputs_read_as_vllms_request_outputs(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    """A vLLM script's reads (out.prompt, out.outputs[0].text, ...) on the same outputs as the dict's keys."""
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    prompts: list[Any] = [TEXT_PROMPTS[0], TEXT_PROMPTS[1], ID_PROMPTS[0]]
+    out = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))
+    for o, prompt in zip(out, [TEXT_PROMPTS[0], TEXT_PROMPTS[1], None]):
+        [c] = o.outputs
+        assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == (
+            0, o["text"], o["token_ids"], "length", None
+        )  # fmt: skip
+        chosen = [lp[t] for t, lp in zip(o["token_ids"], o["logprobs"])]
+        assert len(chosen) == 6 and c.cumulative_logprob == pytest.approx(sum(chosen))
+        assert c.logprobs == o["logprobs"] and c.finished()
+        assert o.prompt == prompt and o.finished and o.num_cached_tokens == o["cached_tokens"]
+        assert o.prompt_logprobs is None
+    assert out[0].prompt_token_ids == llm.tokenizer(TEXT_PROMPTS[0]).input_ids
+    assert out[2].prompt_token_ids == ID_PROMPTS[0]
+    assert len({o.request_id for o in out}) == 3
+    assert json.loads(json.dumps(out[0])) == {**out[0], "logprobs": [
+        {str(t): x for t, x in lp.items()} for lp in out[0]["logprobs"]
+    ]}  # fmt: skip
+    # n=2: each prompt's choices in a row (SGLang's shape), each its one completion, numbered
+    two = llm.generate(TEXT_PROMPTS[:2], SamplingParams(max_tokens=3, n=2, seed=1, temperature=1.0))
+    assert [o.outputs[0].index for o in two] == [0, 1, 0, 1]
+    assert [o.prompt for o in two] == [TEXT_PROMPTS[0]] * 2 + [TEXT_PROMPTS[1]] * 2
+    assert two[0].outputs[0].cumulative_logprob is None and two[0].outputs[0].logprobs is None
     assert_nothing_held(llm)
 
 

@@ -11,6 +11,7 @@ from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, sampling_list, tool_plan
 from minisgl.llm.options import llm_options, option_names
+from minisgl.llm.outputs import RequestOutput
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
 from minisgl.message import AbortBackendMsg, BaseBackendMsg, DetokenizeMsg, UserMsg
 from minisgl.message.backend import FlushCacheMsg
@@ -46,6 +47,10 @@ class RequestStatus:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # with logprobs: {token id: log-probability} of each output token and the most likely ones
     logprobs: list[dict[int, float]] | None = None
+    prompt: str | None = None  # the prompt's text where it came as text (vLLM's RequestOutput.prompt)
+    index: int = 0  # which of its prompt's n completions
+    # the stop string or stop_token_ids id that ended it (vLLM's stop_reason; None for EOS or a length)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -214,6 +219,13 @@ class LLM(Scheduler):
                 self._abort_queue.append(msg.uid)
             if step.finished:
                 status.finish_reason, status.error = step.finish_reason, msg.error
+                if step.finish_reason == "stop":  # a stop string, else the stop token unless it was an EOS
+                    detokenizer = status.detokenizer
+                    status.stop_reason = (
+                        detokenizer.matched
+                        if detokenizer.stopped
+                        else (None if msg.matched_eos else msg.next_token)
+                    )
                 TRACE.point(msg.uid, "answer", step.finish_reason)
             # the bar last: a Ctrl-C typed on seeing it count a request finds that request finished
             progress.update(msg)
@@ -228,8 +240,9 @@ class LLM(Scheduler):
         sampling_params: Any = None,
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Generate for every prompt; each output has text, token_ids, finish_reason and error. With
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; each output is a dict with text, token_ids, finish_reason, stop_reason and
+        error that also reads as vLLM's RequestOutput (`out.outputs[0].text`, `out.prompt`; llm/outputs.py). With
         `SamplingParams(n=k)` a prompt has k outputs in a row (SGLang's offline shape: len(prompts) * k outputs
         for one n), the prompt tokenized once and, from in_batch_prefix_share tokens, computed once; with a seed,
         completion i is seeded seed + i, as the server seeds its choices.
@@ -267,13 +280,16 @@ class LLM(Scheduler):
         self._abort_queue.clear()  # uids start from 0 again: an old abort must not hit a new request
         # a prompt's n completions in a row (SGLang's offline shape), the prompt tokenized once; the scheduler
         # holds the others back a step to find it in the prefix cache (in_batch_prefix_share)
-        jobs: list[tuple[list[int], SamplingParams, int]] = []
+        jobs: list[tuple[list[int], SamplingParams, int, str | None, int]] = []
         for prompt, sp, rank in zip(prompts, sampling_params, priorities):
             ids = self._tokenize_one(prompt)  # a list of its own (prompt_list's or the tokenizer's)
             choices = choice_params(replace(sp, n=1), sp.n) if sp.n > 1 else [sp]
+            text = prompt if isinstance(prompt, str) else None
             # a list each: a request's ids grow with its output
-            jobs += [(ids if i == 0 else list(ids), choice, rank) for i, choice in enumerate(choices)]
-        for uid, (input_ids, sp, rank) in enumerate(jobs):
+            jobs += [
+                (ids if i == 0 else list(ids), choice, rank, text, i) for i, choice in enumerate(choices)
+            ]
+        for uid, (input_ids, sp, rank, text, index) in enumerate(jobs):
             self.pending_requests.append(_Pending(uid, input_ids, sp, rank))
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -284,7 +300,12 @@ class LLM(Scheduler):
                 keep_stop=sp.include_stop_str_in_output,
             )
             self.status_map[uid] = RequestStatus(
-                uid, input_ids, detokenizer, logprobs=[] if sp.logprobs is not None else None
+                uid,
+                input_ids,
+                detokenizer,
+                logprobs=[] if sp.logprobs is not None else None,
+                prompt=text,
+                index=index,
             )
         # handed to the scheduler in the order its queue keeps (the sort is stable: ties stay in the list's order)
         self.pending_requests.sort(key=lambda p: self.config.queue_rank(p.priority))
@@ -319,7 +340,7 @@ class LLM(Scheduler):
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[RequestOutput]:
         """Generate a reply for each conversation ([{"role": ..., "content": ...}, ...]; one conversation alone
         too, as vLLM's chat takes it) with the model's chat template, its messages checked as the server
         checks a request's (a bad one is a ValueError naming it); `chat_template_kwargs`: variables the
@@ -391,17 +412,19 @@ class LLM(Scheduler):
             tools,
         )
 
-    def _output(self, status: RequestStatus) -> dict[str, Any]:
-        return {
+    def _output(self, status: RequestStatus) -> RequestOutput:
+        fields = {
             "text": status.detokenizer.text,
             "token_ids": list(status.output_ids),
             "finish_reason": status.finish_reason,
+            "stop_reason": status.stop_reason,
             "error": status.error,
             "prompt_tokens": len(status.input_ids),
             "cached_tokens": status.cached_tokens,
             "prompt_logprobs": status.prompt_logprobs,
             "logprobs": status.logprobs,
         }
+        return RequestOutput(fields, status.uid, status.prompt, list(status.input_ids), status.index)
 
     def _stop_ranks_after_error(self) -> None:
         # the other ranks may be inside a step that rank 0 left: they cannot be brought back in step
