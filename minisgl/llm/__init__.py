@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from minisgl.llm.llm import LLM, RequestAllFinished
+    from minisgl.llm.outputs import CompletionOutput, RequestOutput
     from minisgl.llm.progress import GenerationInterrupted
 
-__all__ = ["LLM", "GenerationInterrupted", "RequestAllFinished"]
+__all__ = ["LLM", "CompletionOutput", "GenerationInterrupted", "RequestAllFinished", "RequestOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from minisgl.llm.progress import GenerationInterrupted
 
         return GenerationInterrupted
+    if name in ("CompletionOutput", "RequestOutput"):  # the outputs' types (no torch)
+        import minisgl.llm.outputs
+
+        return getattr(minisgl.llm.outputs, name)
     raise AttributeError(name)
