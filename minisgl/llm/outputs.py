@@ -22,14 +22,12 @@ class CompletionOutput:
     index: int  # the choice of the prompt (0 .. n-1)
     text: str
     token_ids: list[int]
-    cumulative_logprob: (
-        float | None
-    )  # the sum of the chosen tokens' log-probabilities, where logprobs were asked
+    # the sum of the chosen tokens' log-probabilities, where logprobs were asked for
+    cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None  # "stop", "length", "abort", or "error"
-    stop_reason: (
-        int | str | None
-    )  # the stop string or stop_token_ids id that ended it; None for EOS or a length
+    # the stop string or stop_token_ids id that ended it; None for EOS or a length
+    stop_reason: int | str | None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
