@@ -107,7 +107,8 @@ def main() -> None:
             wall_us = (time.perf_counter() - t0) * 1e6
         table = kernel_table(prof)
         total = max(sum(r["us"] for r in table), 1e-9)  # none without CUDA
-        tokens = int(batch.input_ids.numel())
+        # a decode graph gathers its token ids itself: a decode step's tokens are its rows
+        tokens = int(batch.input_ids.numel()) if batch.is_prefill else batch.size
         span = kernel_span_us(prof)
         result[key] = {
             "batch": batch.size,
