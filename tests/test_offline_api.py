@@ -307,6 +307,39 @@ def test_outputs_read_as_vllms_request_outputs(
     assert_nothing_held(llm)
 
 
+def test_sglangs_prompt_and_input_ids_keywords(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM]
+) -> None:
+    """SGLang's Engine.generate(prompt=..., input_ids=...): the same tokens as the prompts given positionally, and
+    one prompt alone answered with one output, as SGLang answers it."""
+    llm = make_llm(tiny_model("llama"), max_running_req=4)
+    want = [o["token_ids"] for o in llm.generate(TEXT_PROMPTS[:2], greedy(5))]
+    sglang_params = {"max_new_tokens": 5, "ignore_eos": True}
+    assert [
+        o["token_ids"] for o in llm.generate(prompt=TEXT_PROMPTS[:2], sampling_params=sglang_params)
+    ] == want
+    one = llm.generate(prompt=TEXT_PROMPTS[0], sampling_params=greedy(5))
+    assert isinstance(one, dict) and one["token_ids"] == want[0]
+    ids = [llm.tokenizer(p).input_ids for p in TEXT_PROMPTS[:2]]
+    alone = llm.generate(input_ids=ids[0], sampling_params=greedy(5))
+    assert isinstance(alone, dict) and alone["token_ids"] == want[0] and alone.prompt is None
+    assert [o["token_ids"] for o in llm.generate(input_ids=ids, sampling_params=greedy(5))] == want
+    # n=2 of one prompt: its two outputs, a list
+    two = llm.generate(prompt=TEXT_PROMPTS[0], sampling_params=SamplingParams(max_tokens=3, n=2, seed=1))
+    assert isinstance(two, list) and [o.outputs[0].index for o in two] == [0, 1]
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"prompts": ["a"], "prompt": "b"}, "once"),
+        ({"prompt": "a", "input_ids": [1]}, "one of them"),
+        ({}, "prompts=None is invalid"),
+        ({"input_ids": [[1, 2], [3.5]]}, r"input_ids\[1\]\[0\] is 3.5"),
+        ({"input_ids": 5}, "input_ids=5 is invalid"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(sampling_params=greedy(2), **kwargs)
+    assert_nothing_held(llm)
+
+
 def test_chat_applies_the_chat_template(
     tiny_model: Callable[[str], str], hf_reference: Reference, make_llm: Callable[..., LLM]
 ) -> None:

@@ -1,7 +1,7 @@
 """The offline interface's prompts and conversations, checked before anything is scheduled.
 
 `LLM.generate` takes what vLLM's takes: one prompt or a list, each a string, a list of token ids, or vLLM's
-prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}). `LLM.chat` takes one conversation or a list of
+prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}); or SGLang's keywords, `prompt=` or `input_ids=`. `LLM.chat` takes one conversation or a list of
 them, each message checked as the server checks a request's `messages` (roles, text parts, tool fields). A
 prompt of another shape is a ValueError that says which one and what to pass, not an error from deep inside.
 """
@@ -34,6 +34,28 @@ def prompt_list(prompts: Any) -> list[Prompt]:
             f"prompts={reprlib.repr(prompts)} is invalid: pass a prompt or a list of prompts, each {SHAPES}"
         )
     return [_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def sglang_prompts(prompt: Any, input_ids: Any) -> tuple[list[Prompt], bool]:
+    """The prompts of a generate call made with SGLang's keywords (`Engine.generate(prompt=..., input_ids=...)`), one
+    of the two: `prompt` a string or a list of them, `input_ids` a list of token ids or a list of such lists.
+    Returns them and whether one prompt alone was given (SGLang then answers with one output, not a list)."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("pass SGLang's prompt= (text) or input_ids= (token ids), one of them")
+    if prompt is not None:
+        return prompt_list(prompt), isinstance(prompt, str)
+    one = (
+        isinstance(input_ids, (list, tuple))
+        and bool(input_ids)
+        and not isinstance(input_ids[0], (list, tuple))
+    )
+    if one:
+        return [token_ids(input_ids, "input_ids")], True
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError(
+            f"input_ids={reprlib.repr(input_ids)} is invalid: token ids, or a list of token-id lists"
+        )
+    return [token_ids(ids, f"input_ids[{i}]") for i, ids in enumerate(input_ids)], False
 
 
 def _prompt(p: Any, where: str) -> Prompt:

@@ -9,7 +9,14 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
-from minisgl.llm.inputs import Prompt, conversation_list, prompt_list, sampling_list, tool_plan
+from minisgl.llm.inputs import (
+    Prompt,
+    conversation_list,
+    prompt_list,
+    sampling_list,
+    sglang_prompts,
+    tool_plan,
+)
 from minisgl.llm.options import llm_options, option_names
 from minisgl.llm.outputs import RequestOutput
 from minisgl.llm.progress import GenerateProgress, GenerationInterrupted
@@ -236,11 +243,14 @@ class LLM(Scheduler):
 
     def generate(
         self,
-        prompts: Any,
+        prompts: Any = None,
         sampling_params: Any = None,
         use_tqdm: bool | None = None,
         priority: list[int] | None = None,
-    ) -> list[RequestOutput]:
+        *,
+        prompt: Any = None,
+        input_ids: Any = None,
+    ) -> list[RequestOutput] | RequestOutput:
         """Generate for every prompt; each output is a dict with text, token_ids, finish_reason, stop_reason and
         error that also reads as vLLM's RequestOutput (`out.outputs[0].text`, `out.prompt`; llm/outputs.py). With
         `SamplingParams(n=k)` a prompt has k outputs in a row (SGLang's offline shape: len(prompts) * k outputs
@@ -251,6 +261,9 @@ class LLM(Scheduler):
         ({"prompt": text}, {"prompt_token_ids": ids}); another shape is a ValueError naming it. `sampling_params`:
         one for every prompt or one each, each a SamplingParams or a dict of its fields (SGLang's way, its names
         such as max_new_tokens too).
+
+        SGLang's keywords instead of `prompts`: `prompt=` (a string or a list) or `input_ids=` (token ids or a list
+        of them); then, as SGLang's `Engine.generate` does, one prompt alone gets one output, not a list of one.
 
         `priority` (one integer a prompt, vLLM's argument) orders the prompts' admission under priority
         scheduling (`LLM(..., priority_scheduling=True)`: higher values first, or lower with
@@ -266,8 +279,27 @@ class LLM(Scheduler):
         Ctrl-C raises GenerationInterrupted, a KeyboardInterrupt whose `outputs` hold every prompt's
         output: what finished as usual, the rest with finish_reason "abort" and the tokens so far.
         """
-        prompts = prompt_list(prompts)
-        sampling_params = sampling_list(sampling_params, len(prompts))
+        alone = False
+        if prompts is None and prompt is None and input_ids is None:
+            raise ValueError(
+                "prompts=None is invalid: pass a prompt or a list of prompts (or SGLang's prompt= or input_ids=)"
+            )
+        if prompts is not None:
+            if prompt is not None or input_ids is not None:
+                raise ValueError("pass the prompts once: as prompts, or as SGLang's prompt= or input_ids=")
+            prompts = prompt_list(prompts)
+        else:
+            prompts, alone = sglang_prompts(prompt, input_ids)
+        outputs = self._generate(prompts, sampling_list(sampling_params, len(prompts)), use_tqdm, priority)
+        return outputs[0] if alone and len(outputs) == 1 else outputs
+
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: list[SamplingParams],
+        use_tqdm: bool | None,
+        priority: list[int] | None,
+    ) -> list[RequestOutput]:
         # one object for every prompt: checked once
         for sp in {id(sp): sp for sp in sampling_params}.values():
             check_params(sp)
