@@ -1,9 +1,10 @@
 """The offline interface's prompts and conversations, checked before anything is scheduled.
 
 `LLM.generate` takes what vLLM's takes: one prompt or a list, each a string, a list of token ids, or vLLM's
-prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}); or SGLang's keywords, `prompt=` or `input_ids=`. `LLM.chat` takes one conversation or a list of
-them, each message checked as the server checks a request's `messages` (roles, text parts, tool fields). A
-prompt of another shape is a ValueError that says which one and what to pass, not an error from deep inside.
+prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}); or SGLang's keywords, `prompt=` or `input_ids=`.
+`LLM.chat` takes one conversation or a list of them, each message checked as the server checks a request's
+`messages` (roles, text parts, tool fields). A prompt of another shape is a ValueError that says which one and
+what to pass, not an error from deep inside.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def prompt_list(prompts: Any) -> list[Prompt]:
 
 
 def sglang_prompts(prompt: Any, input_ids: Any) -> tuple[list[Prompt], bool]:
-    """The prompts of a generate call made with SGLang's keywords (`Engine.generate(prompt=..., input_ids=...)`), one
-    of the two: `prompt` a string or a list of them, `input_ids` a list of token ids or a list of such lists.
+    """The prompts of a generate call made with SGLang's keywords (its `Engine.generate(prompt=..., input_ids=...)`),
+    one of the two: `prompt` a string or a list of them, `input_ids` a list of token ids or a list of such lists.
     Returns them and whether one prompt alone was given (SGLang then answers with one output, not a list)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass SGLang's prompt= (text) or input_ids= (token ids), one of them")

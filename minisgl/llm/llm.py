@@ -392,7 +392,8 @@ class LLM(Scheduler):
             self.apply_chat_template(plan.messages(c), chat_template_kwargs, **o, tools=plan.template_tools)
             for c, o in zip(conversations, options)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        # the rendered prompts are the tokenizer's ids: generate's checks of a caller's prompts have nothing to find
+        return self._generate(prompts, sampling_list(sampling_params, len(prompts)), use_tqdm, priority)
 
     def get_tokenizer(self) -> Any:
         """vLLM's: the model's tokenizer (transformers'), as generate and chat use it."""
