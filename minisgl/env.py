@@ -142,6 +142,13 @@ class _Env:
             "time than Triton's kernel at 64-256 rows and 3-12% less than decode.cu's, bf16 5-14% less than "
             "Triton's and 0-12% less than decode.cu's; docs/benchmarks.md); 0: those kernels",
         )
+        self.TC_DECODE_ROPE = EnvVar(
+            "MINISGL_TC_DECODE_ROPE",
+            False,
+            "in decode batches above MINISGL_FUSED_DECODE_ROPE rows that take the tensor-core decode kernel, rotate "
+            "q and k (and Qwen3's q/k norm, a folded norm's row scale) and store K/V inside it (decode_tc.cu's "
+            "`_rope` kernels): the rotary kernel's launch a layer goes; 0: the rotary kernel",
+        )
         self.QUANT_CACHE = EnvVar(
             "MINISGL_QUANT_CACHE",
             True,

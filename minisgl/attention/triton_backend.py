@@ -96,7 +96,9 @@ def _tensor_core_decode(
     variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
     groups = TC_GROUPS if group is None else (group,)
     try:
-        return TensorCoreDecode(device.index or 0, variants, groups, fp8=fp8)
+        return TensorCoreDecode(
+            device.index or 0, variants, groups, fp8=fp8, rope=bool(ENV.TC_DECODE_ROPE.value)
+        )
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention without the tensor-core kernel: {e}")
     return None
@@ -199,14 +201,23 @@ class TritonAttnBackend(BaseAttnBackend):
             next_pow2(splits),
             splits % 16 == 0,
             self.ordered(batch_size),
-            batch_size <= ENV.FUSED_DECODE_ROPE.value,
+            batch_size <= ENV.FUSED_DECODE_ROPE.value or self.tc_rope,
             self.cuda_decode is not None and self.cuda_decode.variant(batch_size),
             self.tc_decode is not None and self.tc_decode.variant(batch_size),
         )
 
+    @property
+    def tc_rope(self) -> bool:
+        """Whether decode batches above FUSED_DECODE_ROPE rows may take the rotation inside the tensor-core kernel."""
+        return self.tc_decode is not None and self.tc_decode.rope
+
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
-        if not (batch.is_decode and batch.size <= ENV.FUSED_DECODE_ROPE.value) or ENV.SEPARATE_KV_STORE.value:
+        if not batch.is_decode or ENV.SEPARATE_KV_STORE.value:
             return False
+        if batch.size > ENV.FUSED_DECODE_ROPE.value:
+            # the tensor-core kernel's `_rope` kernels, where they take this model's heads: checked on the step's
+            # own tensors by forward_decode_rope, which otherwise rotates as the layer would have
+            return self.tc_rope and self.tc_decode.applies(q, self.layer_views[0][0])
         # the kernel's tiles are the head dim wide (at least 16: tl.dot's least K), and it rotates in q's
         # dtype as the rotary kernel does
         d = self.kv_cache.head_dim
@@ -215,7 +226,23 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward_decode_rope(
         self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope
     ) -> torch.Tensor:
+        if batch.size > ENV.FUSED_DECODE_ROPE.value:
+            k_cache = self.layer_views[layer_id][0]
+            if self.tc_decode is None or not self.tc_decode.takes_rope(rope, q, k_cache):
+                return self._rope_then_decode(q, layer_id, batch, rope)
         return self._decode(q, layer_id, batch, rope)
+
+    def _rope_then_decode(
+        self, q: torch.Tensor, layer_id: int, batch: Batch, rope: DecodeRope
+    ) -> torch.Tensor:
+        """The rotary kernel's work as its own launch (the layer's path), for a step the fused kernel cannot take."""
+        from minisgl.kernel.rotary import apply_rotary
+
+        norms = (rope.q_weight, rope.k_weight, rope.eps) if rope.q_weight is not None else None
+        k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
+        dest = KVDestination(k_cache, v_cache, rope.loc, k_scale, v_scale)
+        apply_rotary(rope.positions, q, rope.k, rope.cos_sin, norms, rope.v, dest, row_scale=rope.row_scale)
+        return self._decode(q, layer_id, batch)
 
     def _decode(
         self,
@@ -235,6 +262,8 @@ class TritonAttnBackend(BaseAttnBackend):
             for kernel in (self.tc_decode, self.cuda_decode):  # the tensor cores first where they apply
                 if kernel is not None and kernel.applies(q, k_cache):
                     return kernel(*args, k_scale, v_scale, order=meta.order)
+        elif batch.size > ENV.FUSED_DECODE_ROPE.value and self.tc_decode is not None:
+            return self.tc_decode(*args, k_scale, v_scale, order=meta.order, rope=rope)
         return decode_attention(*args, k_scale, v_scale, rope, meta.order)
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:

@@ -12,12 +12,16 @@ kernel for an FP8 or bf16 pool: the same launch, the products on the tensor core
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl.env import ENV
 from minisgl.kernel.cuda import CudaModule, load_module, source
 from minisgl.utils.misc import next_pow2
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import DecodeRope
 
 # query heads a KV head that the engine takes this kernel for (measured faster than Triton's); decode.cu also
 # takes 4, with 16 threads a key for its registers (benchmark/offline/decode_cuda.py measures it)
@@ -83,6 +87,8 @@ class CudaDecode:
     """The kernels for one pool dtype, compiled (or read from the cache) and loaded at construction, so that
     nothing is compiled or loaded while a CUDA graph is being captured."""
 
+    rope = False  # whether its kernels also take the rotary kernel's work (decode_tc.cu's `_rope` kernels)
+
     def __init__(
         self,
         fp8: bool,
@@ -103,8 +109,9 @@ class CudaDecode:
     def applies(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return _applies(q, k_cache, self.groups, self.fp8)
 
-    def kernel(self, group: int, variant: tuple[int, int]) -> str:
+    def kernel(self, group: int, variant: tuple[int, int], rope: bool = False) -> str:
         """The entry point for `group` query heads a KV head and `variant` (benchmarks' candidates override it)."""
+        assert not rope, "decode.cu has no rotary inside"
         return kernel_name(group, variant, self.fp8)
 
     def shared_bytes(self, variant: tuple[int, int]) -> int:
@@ -129,9 +136,10 @@ class CudaDecode:
         v_scale: torch.Tensor | None = None,
         order: torch.Tensor | None = None,
         variant: tuple[int, int] | None = None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, 128] bf16; k/v_cache: [slots, Hk, 128]; rows, seq_lens, order: [B] int32 -> [B, Hq, 128],
-        as `minisgl.kernel.attention.decode_attention` without `rope`."""
+        as `minisgl.kernel.attention.decode_attention`; `rope` only where `takes_rope` says so."""
         from minisgl.kernel.attention import _decode_merge_kernel
 
         bs, hq, d = q.shape
@@ -151,8 +159,13 @@ class CudaDecode:
             ctypes.c_int64(out.stride(1)), ctypes.c_int32(hq), ctypes.c_int32(num_splits),
             ctypes.c_float(sm_scale * _LOG2E),
         )  # fmt: skip
+        if rope is not None:
+            extra = rope_args(rope, q) if self.rope else None
+            if extra is None:
+                raise ValueError("this decode kernel cannot take the rotary kernel's work: see takes_rope")
+            args = (*args, *extra)
         variant = variant or self.variant(bs)
-        name = self.kernel(hq // hk, variant)
+        name = self.kernel(hq // hk, variant, rope is not None)
         stream = torch.cuda.current_stream(q.device).cuda_stream
         self.module.launch(name, (hk, bs, num_splits), THREADS, args, stream, self.shared_bytes(variant))
         if num_splits > 1:
@@ -177,23 +190,62 @@ TC_GROUPS = (2, 4, 8)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
-def tc_kernel_name(group: int, variant: tuple[int, int], fp8: bool = True) -> str:
+def tc_kernel_name(group: int, variant: tuple[int, int], fp8: bool = True, rope: bool = False) -> str:
     stages, min_blocks = variant
-    return f"decode_tc_{'fp8' if fp8 else 'bf16'}_g{group}_s{stages}_b{min_blocks}"
+    return f"decode_tc_{'fp8' if fp8 else 'bf16'}_g{group}_s{stages}_b{min_blocks}{'_rope' if rope else ''}"
 
 
 def tc_program(
-    variants: tuple[tuple[int, int], ...], groups: tuple[int, ...] = (1, 2, 4, 8), fp8: bool = True
+    variants: tuple[tuple[int, int], ...],
+    groups: tuple[int, ...] = (1, 2, 4, 8),
+    fp8: bool = True,
+    rope: bool = False,
 ) -> str:
-    """decode_tc.cu with a kernel for every query group and variant asked for, over an FP8 or a bf16 pool."""
+    """decode_tc.cu with a kernel for every query group and variant asked for, over an FP8 or a bf16 pool; with
+    `rope`, each also with the rotary kernel's work inside (`..._rope`)."""
     lines = [pdl_define(), source("decode_common.cuh"), source("decode_tc.cu")]
     for g in sorted(set(groups)):
         for stages, min_blocks in variants:
-            name = tc_kernel_name(g, (stages, min_blocks), fp8)
-            lines.append(
-                f"DECODE_TC_KERNEL({name}, {g}, {stages}, {min_blocks}, {'true' if fp8 else 'false'})"
-            )
+            for inside in (False, True) if rope else (False,):
+                name = tc_kernel_name(g, (stages, min_blocks), fp8, inside)
+                macro = "DECODE_TC_ROPE_KERNEL" if inside else "DECODE_TC_KERNEL"
+                lines.append(f"{macro}({name}, {g}, {stages}, {min_blocks}, {'true' if fp8 else 'false'})")
     return "\n".join(lines) + "\n"
+
+
+def rope_args(rope: DecodeRope, q: torch.Tensor) -> tuple[Any, ...] | None:
+    """decode_tc.cu's DECODE_ROPE_PARAMS for `rope`, or None where its kernels cannot take it (they read bf16
+    heads of 128 dims, int64 positions and slots, a float32 or bf16 cos | sin table, bf16 norm weights and
+    hidden states, and one eps for the q and the k norm)."""
+    k, v = rope.k, rope.v
+    hidden = rope.row_scale[0] if rope.row_scale is not None else None
+    weights = [w for w in (rope.q_weight, rope.k_weight) if w is not None]
+    if (
+        k.dtype != torch.bfloat16
+        or v.dtype != torch.bfloat16
+        or k.stride() != v.stride()
+        or k.stride(-1) != 1
+        or k.shape[-1] != HEAD_DIM
+        or rope.positions.dtype != torch.int64
+        or rope.loc.dtype != torch.int64
+        or rope.cos_sin.dtype not in (torch.float32, torch.bfloat16)
+        or rope.cos_sin.stride(-1) != 1
+        or len(weights) == 1
+        or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in weights)
+        or (hidden is not None and (hidden.dtype != torch.bfloat16 or hidden.stride(-1) != 1))
+        or q.shape[0] != k.shape[0]
+    ):
+        return None
+    return (
+        k.data_ptr(), v.data_ptr(), ctypes.c_int64(k.stride(0)), ctypes.c_int64(k.stride(1)),
+        rope.positions.data_ptr(), rope.cos_sin.data_ptr(), ctypes.c_int64(rope.cos_sin.stride(0)),
+        ctypes.c_int32(rope.cos_sin.dtype == torch.bfloat16), rope.loc.data_ptr(),
+        rope.q_weight.data_ptr() if weights else 0, rope.k_weight.data_ptr() if weights else 0,
+        ctypes.c_float(rope.eps), hidden.data_ptr() if hidden is not None else 0,
+        ctypes.c_int64(hidden.stride(0) if hidden is not None else 0),
+        ctypes.c_int32(hidden.shape[-1] if hidden is not None else 0),
+        ctypes.c_float(rope.row_scale[1] if rope.row_scale is not None else 0.0),
+    )  # fmt: skip
 
 
 class TensorCoreDecode(CudaDecode):
@@ -208,20 +260,27 @@ class TensorCoreDecode(CudaDecode):
         variants: tuple[tuple[int, int], ...] = TC_VARIANTS,
         groups: tuple[int, ...] = TC_GROUPS,
         fp8: bool = True,
+        rope: bool = False,
     ) -> None:
         self.fp8 = fp8
         self.variants = variants
         self.groups = groups
+        self.rope = rope
         # only the groups it is asked for: NVRTC takes about 0.4 s a kernel on a 2-core machine (once: the cubin
         # is cached)
-        name = f"decode_tc_{'fp8' if fp8 else 'bf16'}.cu"
-        self.module = load_module(tc_program(variants, groups, fp8), name, device_index)
+        name = f"decode_tc_{'fp8' if fp8 else 'bf16'}{'_rope' if rope else ''}.cu"
+        self.module = load_module(tc_program(variants, groups, fp8, rope), name, device_index)
         for g in groups:
             for v in variants:
-                self.module.allow_shared(tc_kernel_name(g, v, fp8), self.shared_bytes(v))
+                for inside in (False, True) if rope else (False,):
+                    self.module.allow_shared(tc_kernel_name(g, v, fp8, inside), self.shared_bytes(v))
 
-    def kernel(self, group: int, variant: tuple[int, int]) -> str:
-        return tc_kernel_name(group, variant, self.fp8)
+    def kernel(self, group: int, variant: tuple[int, int], rope: bool = False) -> str:
+        return tc_kernel_name(group, variant, self.fp8, rope)
+
+    def takes_rope(self, rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether its `_rope` kernels can take this step's q over k_cache with the rotary kernel's work inside."""
+        return self.rope and self.applies(q, k_cache) and rope_args(rope, q) is not None
 
     def shared_bytes(self, variant: tuple[int, int]) -> int:
         """The ring (4 warps, K and V, 16 rows of 128 or 256 bytes a stage), or the join's floats if larger."""

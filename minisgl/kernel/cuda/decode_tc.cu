@@ -341,8 +341,186 @@ __device__ __forceinline__ void join_and_write(State& st, float* smem, bf16_t* O
     }
 }
 
-template <int G, int STAGES, bool FP8>
-__device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
+// The rotary kernel's work for a decode step, done by the programs that attend (MINISGL_TC_DECODE_ROPE): q and the
+// new token's K and V arrive as the q|k|v projection wrote them. Each program scales its row by 1 / rms of the
+// hidden states (the norm folded into the projection, where Hid is given), takes Qwen3's RMSNorm over each head
+// (where QW is given) and rotates its group's query heads into shared memory; the program whose split holds the
+// new token (the context's last position) does the same to its K head, writes K and V into the pool at the
+// token's slot and attends to them from shared memory after its loop over the pool, which stops one key short. The
+// roundings are kernel/rotary.py's: the scaled head, the normalised head, its product with the weight, cos and sin
+// and the rotated halves each to bf16; an FP8 pool's values divided by the scale, clamped to +-448, rounded.
+#define DECODE_ROPE_PARAMS                                                                                        \
+    const bf16_t *__restrict__ Knew, const bf16_t *__restrict__ Vnew, long long stride_nt, long long stride_nh,  \
+        const long long *__restrict__ Pos, const void *__restrict__ CosSin, long long stride_cs, int cs_bf16,     \
+        const long long *__restrict__ Loc, const bf16_t *__restrict__ QW, const bf16_t *__restrict__ KW,         \
+        float eps, const bf16_t *__restrict__ Hid, long long stride_s, int s_n, float s_eps
+#define DECODE_ROPE_ARGS \
+    Knew, Vnew, stride_nt, stride_nh, Pos, CosSin, stride_cs, cs_bf16, Loc, QW, KW, eps, Hid, stride_s, s_n, s_eps
+
+struct RopeArgs {
+    const bf16_t* Knew;
+    const bf16_t* Vnew;
+    long long stride_nt, stride_nh;
+    const long long* Pos;
+    const void* CosSin;
+    long long stride_cs;
+    int cs_bf16;
+    const long long* Loc;
+    const bf16_t *QW, *KW;
+    float eps;
+    const bf16_t* Hid;
+    long long stride_s;
+    int s_n;
+    float s_eps;
+};
+
+// what the rotation leaves in shared memory: the group's rotated query heads and the new token's K and V rows as
+// the pool holds them (bf16: 256 bytes, FP8: 128), and the warps' partial sums of squares
+struct RopeShared {
+    bf16_t q[8][128];
+    uint4 k[16], v[16];
+    float red[6][4];
+};
+
+__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// x as an FP8 pool stores it (store.py's to_pool): divided by the scale (correctly rounded, as torch divides),
+// clamped, rounded to the nearest e4m3 value
+__device__ __forceinline__ unsigned char to_e4m3(float x, float scale) {
+    const float y = fminf(fmaxf(__fdiv_rn(x, scale), -448.0f), 448.0f);
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(y));
+    return static_cast<unsigned char>(r & 0xff);
+}
+
+__device__ __forceinline__ float cos_sin_at(const RopeArgs& ra, long long pos, int col) {
+    const long long at = pos * ra.stride_cs + col;
+    const float x = ra.cs_bf16 ? bf16_to_f32(reinterpret_cast<const bf16_t*>(ra.CosSin)[at])
+                               : reinterpret_cast<const float*>(ra.CosSin)[at];
+    return round_bf16(x);  // rounded to the heads' dtype first, as the rotary kernel and transformers do
+}
+
+// the rotation of request b's query heads (kvh's group) into rs.q and, where `holds`, of its K head into the pool
+// and rs.k, its V into both; every thread of the program takes part (128: a pair of dims (i, i + 64) of a head
+// each, two heads at a time)
+template <int G, bool FP8>
+__device__ __forceinline__ void rotate_into_shared(RopeShared& rs, const RopeArgs& ra, const bf16_t* Q, char* K,
+                                                   char* V, const float* KScale, const float* VScale, int b,
+                                                   int kvh, long long stride_qt, long long stride_qh,
+                                                   long long stride_kt, long long stride_kh, bool holds) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, i = tid % 64;
+    float inv = 1.0f;
+    if (ra.Hid != nullptr) {  // 1 / rms of the hidden row, float32 as norm.py's row_inv_rms
+        float ss = 0.0f;
+        for (int c = tid; c < ra.s_n; c += 128) {
+            const float x = bf16_to_f32(ra.Hid[b * ra.stride_s + c]);
+            ss += x * x;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) rs.red[0][warp] = ss;
+        __syncthreads();
+        inv = rsqrtf((rs.red[0][0] + rs.red[0][1] + rs.red[0][2] + rs.red[0][3]) / ra.s_n + ra.s_eps);
+    }
+    const long long pos = ra.Pos[b];
+    const float cs = cos_sin_at(ra, pos, i), sn = cos_sin_at(ra, pos, 128 + i);
+    const long long slot = holds ? ra.Loc[b] : 0;
+    constexpr int ES = FP8 ? 1 : 2;
+    // jobs 0 .. G - 1 the query heads, job G the K head; two a turn (threads 0-63 and 64-127)
+#pragma unroll
+    for (int r = 0; r < (G + 2) / 2; ++r) {
+        const int job = 2 * r + tid / 64;
+        const bool is_k = job == G;
+        const bool active = job < G || (is_k && holds);
+        float a = 0.0f, c = 0.0f;
+        if (active) {
+            const bf16_t* src = is_k ? ra.Knew + b * ra.stride_nt + kvh * ra.stride_nh
+                                     : Q + b * stride_qt + (kvh * G + job) * stride_qh;
+            a = bf16_to_f32(src[i]);
+            c = bf16_to_f32(src[i + 64]);
+            if (ra.Hid != nullptr) {
+                a = round_bf16(a * inv);
+                c = round_bf16(c * inv);
+            }
+        }
+        if (ra.QW != nullptr) {  // the head's RMSNorm: its 128 dims over two warps
+            const float ss = warp_sum(a * a + c * c);
+            if (lane == 0) rs.red[1 + r][warp] = ss;
+            __syncthreads();
+            const float h = rsqrtf((rs.red[1 + r][warp & ~1] + rs.red[1 + r][warp | 1]) / 128.0f + ra.eps);
+            if (active) {
+                const bf16_t* w = is_k ? ra.KW : ra.QW;
+                a = round_bf16(round_bf16(a * h) * bf16_to_f32(w[i]));
+                c = round_bf16(round_bf16(c * h) * bf16_to_f32(w[i + 64]));
+            }
+        }
+        if (!active) continue;
+        const float y1 = round_bf16(a * cs - c * sn), y2 = round_bf16(c * cs + a * sn);
+        if (!is_k) {
+            rs.q[job][i] = f32_to_bf16(y1);
+            rs.q[job][i + 64] = f32_to_bf16(y2);
+            continue;
+        }
+        char* dst = K + slot * stride_kt * ES + kvh * stride_kh * ES;
+        if constexpr (FP8) {
+            const float ks = KScale[0];
+            const unsigned char e1 = to_e4m3(y1, ks), e2 = to_e4m3(y2, ks);
+            dst[i] = e1;
+            dst[i + 64] = e2;
+            reinterpret_cast<unsigned char*>(rs.k)[i] = e1;
+            reinterpret_cast<unsigned char*>(rs.k)[i + 64] = e2;
+        } else {
+            const bf16_t h1 = f32_to_bf16(y1), h2 = f32_to_bf16(y2);
+            reinterpret_cast<bf16_t*>(dst)[i] = h1;
+            reinterpret_cast<bf16_t*>(dst)[i + 64] = h2;
+            reinterpret_cast<bf16_t*>(rs.k)[i] = h1;
+            reinterpret_cast<bf16_t*>(rs.k)[i + 64] = h2;
+        }
+    }
+    if (holds) {  // V: scaled and stored, a dim a thread
+        float x = bf16_to_f32(ra.Vnew[b * ra.stride_nt + kvh * ra.stride_nh + tid]);
+        if (ra.Hid != nullptr) x = round_bf16(x * inv);
+        char* dst = V + slot * stride_kt * ES + kvh * stride_kh * ES;
+        if constexpr (FP8) {
+            const unsigned char e = to_e4m3(x, VScale[0]);
+            dst[tid] = e;
+            reinterpret_cast<unsigned char*>(rs.v)[tid] = e;
+        } else {
+            const bf16_t h = f32_to_bf16(x);
+            reinterpret_cast<bf16_t*>(dst)[tid] = h;
+            reinterpret_cast<bf16_t*>(rs.v)[tid] = h;
+        }
+    }
+    __syncthreads();  // rs.q, rs.k and rs.v are whole
+}
+
+// warp 0's tile of the new token (key seq_len - 1) into its state: the row from rs into stage 0 of its ring (the
+// other 15 rows zero, masked out of the softmax) and attended as a pool tile
+template <int STAGES, bool FP8>
+__device__ __forceinline__ void attend_new_token(State& st, uint4* ring, const RopeShared& rs, const u32 (&qf)[8][2],
+                                                 float scale, int seq_len, int g, int t) {
+    constexpr int WORDS = Pool<FP8>::WORDS;
+    const int lane = threadIdx.x % 32;
+    for (int x = lane; x < 2 * 16 * WORDS; x += 32) {
+        const int kv = x / (16 * WORDS), r = x / WORDS % 16, w = x % WORDS;
+        ring[ring_word<FP8>(0, kv, r, w, STAGES)] = r == 0 ? (kv ? rs.v[w] : rs.k[w]) : make_uint4(0, 0, 0, 0);
+    }
+    __syncwarp();
+    if constexpr (FP8) {
+        const Tile cur = read_tile<STAGES>(ring, 0, g, t);
+        attend_tile(st, cur, qf, seq_len - 1, seq_len, g, t);
+    } else {
+        attend_tile_bf16<STAGES>(st, ring, 0, qf, scale, seq_len - 1, seq_len, g, t);
+    }
+}
+
+template <int G, int STAGES, bool FP8, bool ROPE>
+__device__ __forceinline__ void decode_tc_body(DECODE_PARAMS, const RopeArgs& ra) {
     constexpr int WARPS = 4, TILE = 16;
     extern __shared__ uint4 smem[];
     const int kvh = blockIdx.x;
@@ -354,19 +532,41 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
     const int chunk = ((seq_len + num_splits - 1) / num_splits + WARPS * TILE - 1) / (WARPS * TILE) * (WARPS * TILE);
     const int start = s * chunk;
     const int end = min(start + chunk, seq_len);
+    // with ROPE the split that holds the new token reads the pool up to it and attends to it from shared memory
+    const bool holds = ROPE && start < seq_len && end == seq_len;
+    const int pool_end = holds ? end - 1 : end;
     const float vscale = FP8 ? VScale[0] : 1.0f;
     const float scale = qk_scale * (FP8 ? KScale[0] : 1.0f);
     constexpr int ES = FP8 ? 1 : 2;  // bytes an element of the pool
 
+    const int* table = PageTable + row * stride_pt;
+    const int stride = WARPS * TILE;
+    const int first = start + warp * TILE;
+    const long long head_col = kvh * stride_kh * ES;
+    const int tiles = pool_end > first ? (pool_end - first + stride - 1) / stride : 0;
+    const long long row_bytes = stride_kt * ES;
+    auto slots_of = [&](int i) { return tile_slots<FP8>(table, first + i * stride, i < tiles ? pool_end : 0); };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < tiles) copy_tile<STAGES, FP8>(smem, K, V, slots_of(i), row_bytes, head_col, i);
+        cp_async_commit();
+    }
+    // the pool's first tiles are on their way while the heads are rotated
+    __shared__ RopeShared rs;
+    if constexpr (ROPE)
+        rotate_into_shared<G, FP8>(rs, ra, Q, const_cast<char*>(K), const_cast<char*>(V), KScale, VScale, b, kvh,
+                                   stride_qt, stride_qh, stride_kt, stride_kh, holds);
     // Q as the B operand of S = K Q^T: query g's dims 32t + 4j .. 32t + 4j + 3 for chunk j (zero for g >= G); for an
     // FP8 pool times the scale in f16, for a bf16 one as stored (its scores are scaled in f32)
     u32 qf[8][2];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const uint2 w = g < G ? __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh +
-                                                                    32 * t + 4 * j))
-                              : make_uint2(0, 0);
+        uint2 w = make_uint2(0, 0);
+        if (g < G)
+            w = ROPE ? *reinterpret_cast<const uint2*>(&rs.q[g][32 * t + 4 * j])
+                     : __ldg(reinterpret_cast<const uint2*>(Q + b * stride_qt + (kvh * G + g) * stride_qh + 32 * t +
+                                                            4 * j));
         if (!FP8) {
             qf[j][0] = w.x;
             qf[j][1] = w.y;
@@ -392,18 +592,6 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) st.acc[i][e] = 0.0f;
 
-    const int* table = PageTable + row * stride_pt;
-    const int stride = WARPS * TILE;
-    const int first = start + warp * TILE;
-    const long long head_col = kvh * stride_kh * ES;
-    const int tiles = end > first ? (end - first + stride - 1) / stride : 0;
-    const long long row_bytes = stride_kt * ES;
-    auto slots_of = [&](int i) { return tile_slots<FP8>(table, first + i * stride, i < tiles ? end : 0); };
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < tiles) copy_tile<STAGES, FP8>(smem, K, V, slots_of(i), row_bytes, head_col, i);
-        cp_async_commit();
-    }
     // the next copy's slots, read a turn before it, so that the copy does not wait on the page table
     Slots<FP8> next = slots_of(STAGES - 1);
     for (int i = 0; i < tiles; ++i) {
@@ -415,15 +603,20 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
             if (ahead < tiles) copy_tile<STAGES, FP8>(smem, K, V, next, row_bytes, head_col, ahead % STAGES);
             cp_async_commit();
             next = slots_of(ahead + 1);
-            attend_tile(st, cur, qf, first + i * stride, end, g, t);
+            attend_tile(st, cur, qf, first + i * stride, pool_end, g, t);
         } else {  // the copy refills the stage read last turn, not this one's
             if (ahead < tiles) copy_tile<STAGES, FP8>(smem, K, V, next, row_bytes, head_col, ahead % STAGES);
             cp_async_commit();
             next = slots_of(ahead + 1);
-            attend_tile_bf16<STAGES>(st, smem, i % STAGES, qf, scale, first + i * stride, end, g, t);
+            attend_tile_bf16<STAGES>(st, smem, i % STAGES, qf, scale, first + i * stride, pool_end, g, t);
         }
     }
     cp_async_wait<0>();
+    if constexpr (ROPE)
+        if (holds && warp == 0) {
+            __syncwarp();  // every lane is done with the ring
+            attend_new_token<STAGES, FP8>(st, smem, rs, qf, scale, seq_len, g, t);
+        }
     __syncthreads();  // the ring is free: the join reuses it
     join_and_write<G, FP8>(st, reinterpret_cast<float*>(smem), Out, MidO, MidLse, b, kvh, s, stride_ot, stride_oh,
                       num_qo_heads, num_splits, vscale, g, t);
@@ -436,5 +629,12 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS) {
 #define DECODE_TC_KERNEL(NAME, G, STAGES, MIN_BLOCKS, FP8)                                                     \
     extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(DECODE_PARAMS) {                        \
         wait_for_inputs();                                                                                     \
-        decode_tc_body<G, STAGES, FP8>(DECODE_ARGS);                                                           \
+        decode_tc_body<G, STAGES, FP8, false>(DECODE_ARGS, RopeArgs{});                                        \
+    }
+
+// the same with the rotary kernel's work inside (DECODE_ROPE_PARAMS above)
+#define DECODE_TC_ROPE_KERNEL(NAME, G, STAGES, MIN_BLOCKS, FP8)                                                \
+    extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) NAME(DECODE_PARAMS, DECODE_ROPE_PARAMS) {    \
+        wait_for_inputs();                                                                                     \
+        decode_tc_body<G, STAGES, FP8, true>(DECODE_ARGS, RopeArgs{DECODE_ROPE_ARGS});                         \
     }
