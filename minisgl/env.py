@@ -144,10 +144,11 @@ class _Env:
         )
         self.TC_DECODE_ROPE = EnvVar(
             "MINISGL_TC_DECODE_ROPE",
-            False,
-            "in decode batches above MINISGL_FUSED_DECODE_ROPE rows that take the tensor-core decode kernel, rotate "
-            "q and k (and Qwen3's q/k norm, a folded norm's row scale) and store K/V inside it (decode_tc.cu's "
-            "`_rope` kernels): the rotary kernel's launch a layer goes; 0: the rotary kernel",
+            128,
+            "in decode batches above MINISGL_FUSED_DECODE_ROPE rows and up to this many that take the tensor-core "
+            "decode kernel, rotate q and k (and Qwen3's q/k norm, a folded norm's row scale) and store K/V inside it "
+            "(decode_tc.cu's `_rope` kernels): the rotary kernel's launch a layer goes (faster up to 128 rows on an "
+            "H100, slower at 256; docs/benchmarks.md); 0: never",
         )
         self.QUANT_CACHE = EnvVar(
             "MINISGL_QUANT_CACHE",

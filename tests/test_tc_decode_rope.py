@@ -53,13 +53,29 @@ def test_the_rope_kernels_compile_for_hopper_without_spills_beside_the_plain_one
         for rope in (False, True)
     }
     assert set(got) == want
-    for name, block in got.items():
-        assert "0 bytes spill stores, 0 bytes spill loads" in block, (name, block)
-        # the rotation's shared memory (rotated heads, the new K/V rows, partial sums) only in the `_rope` kernels
-        static = re.search(r"(\d+) bytes smem", block)
-        assert (static is not None and int(static.group(1)) < 4096) == name.endswith("_rope"), (name, block)
+    for g in TensorCoreDecode.GROUPS:
+        for v in variants:
+            for rope in (False, True):
+                name = tc_kernel_name(g, v, fp8, rope)
+                block = got[name]
+                assert "0 bytes spill stores, 0 bytes spill loads" in block, (name, block)
+                # the rotation's shared memory (its inputs, the rotated heads, the new K/V rows) only in the `_rope`
+                # kernels, and little enough that an SM still holds the variant's programs (Hopper: 228 KB, 1 KB of
+                # it a program's)
+                static = re.search(r"(\d+) bytes smem", block)
+                assert (static is not None) == rope, (name, block)
+                if static is not None:
+                    program = int(static.group(1)) + 1024 + TensorCoreDecode.shared_bytes(_Pool(fp8), v)
+                    assert program * v[1] <= 228 * 1024, (name, program)
     assert tc_program(variants, (2,), fp8) == tc_program(variants, (2,), fp8, rope=False)
-    assert "_rope" not in tc_program(variants, (2,), fp8)
+    assert "DECODE_TC_ROPE_KERNEL(decode" not in tc_program(variants, (2,), fp8)
+
+
+class _Pool:
+    """What TensorCoreDecode.shared_bytes reads of a module: the pool's dtype."""
+
+    def __init__(self, fp8: bool) -> None:
+        self.fp8 = fp8
 
 
 @functools.cache
@@ -144,6 +160,27 @@ def test_the_kernel_rotates_stores_and_attends_as_the_rotary_kernel_then_the_ker
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2 * max(1.0, ref_out.abs().max().item()))
 
 
+def test_the_rotary_goes_inside_the_tensor_core_kernel_between_the_two_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up to FUSED_DECODE_ROPE rows Triton's decode kernel rotates, above it up to TC_DECODE_ROPE the tensor-core
+    kernel's `_rope` kernels (where they were built), above that the rotary kernel."""
+    from types import SimpleNamespace
+
+    from minisgl.attention.triton_backend import TritonAttnBackend
+
+    monkeypatch.setattr(ENV.FUSED_DECODE_ROPE, "value", 16)
+    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", 128)
+    built = SimpleNamespace(tc_decode=SimpleNamespace(rope=True))
+    assert [TritonAttnBackend.tc_rope(built, n) for n in (1, 16, 17, 128, 129, 256)] == [  # type: ignore[arg-type]
+        False, False, True, True, False, False,
+    ]  # fmt: skip
+    for without in (SimpleNamespace(tc_decode=None), SimpleNamespace(tc_decode=SimpleNamespace(rope=False))):
+        assert not TritonAttnBackend.tc_rope(without, 64)  # type: ignore[arg-type]
+    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", 0)
+    assert not TritonAttnBackend.tc_rope(built, 64)  # type: ignore[arg-type]
+
+
 def test_a_step_it_cannot_take_is_rotated_by_the_rotary_kernel_first() -> None:
     """Positions of another dtype (or anything else rope_args refuses): the backend rotates and stores as the
     layer would have, then attends without the rotary inside."""
@@ -216,12 +253,12 @@ def test_the_engine_with_the_rotary_inside_stays_with_the_rotary_kernel_and_tran
     prompts = random_prompts(24, seed=23, min_len=5, max_len=60)
     limits = {} if graphs else dict(cuda_graph_max_bs=0)
     args: dict[str, Any] = dict(dtype=torch.bfloat16, device="cuda", max_running_req=32, **limits)
-    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", True)
+    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", 1 << 20)
     ours = greedy_run(folder, kv, prompts, 12, **args)
     assert fused_rows  # the `_rope` kernels ran (in the graphs' capture, or every eager step)
     if not graphs:
         assert "decode" not in rotary_phases and "prefill" in rotary_phases
-    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", False)
+    monkeypatch.setattr(ENV.TC_DECODE_ROPE, "value", 0)
     fused_rows.clear()
     plain = greedy_run(folder, kv, prompts, 12, **args)
     assert not fused_rows

@@ -201,15 +201,20 @@ class TritonAttnBackend(BaseAttnBackend):
             next_pow2(splits),
             splits % 16 == 0,
             self.ordered(batch_size),
-            batch_size <= ENV.FUSED_DECODE_ROPE.value or self.tc_rope,
+            batch_size <= ENV.FUSED_DECODE_ROPE.value or self.tc_rope(batch_size),
             self.cuda_decode is not None and self.cuda_decode.variant(batch_size),
             self.tc_decode is not None and self.tc_decode.variant(batch_size),
         )
 
-    @property
-    def tc_rope(self) -> bool:
-        """Whether decode batches above FUSED_DECODE_ROPE rows may take the rotation inside the tensor-core kernel."""
-        return self.tc_decode is not None and self.tc_decode.rope
+    def tc_rope(self, batch_size: int) -> bool:
+        """Whether a decode batch of this size above FUSED_DECODE_ROPE rows may take the rotation inside the
+        tensor-core kernel (up to TC_DECODE_ROPE rows: above, its programs' extra latency costs more than the rotary
+        kernel's launch)."""
+        return (
+            self.tc_decode is not None
+            and self.tc_decode.rope
+            and ENV.FUSED_DECODE_ROPE.value < batch_size <= ENV.TC_DECODE_ROPE.value
+        )
 
     def fuses_decode_rope(self, batch: Batch, q: torch.Tensor) -> bool:
         if not batch.is_decode or ENV.SEPARATE_KV_STORE.value:
@@ -217,7 +222,8 @@ class TritonAttnBackend(BaseAttnBackend):
         if batch.size > ENV.FUSED_DECODE_ROPE.value:
             # the tensor-core kernel's `_rope` kernels, where they take this model's heads: checked on the step's
             # own tensors by forward_decode_rope, which otherwise rotates as the layer would have
-            return self.tc_rope and self.tc_decode.applies(q, self.layer_views[0][0])
+            tc = self.tc_decode
+            return tc is not None and self.tc_rope(batch.size) and tc.applies(q, self.layer_views[0][0])
         # the kernel's tiles are the head dim wide (at least 16: tl.dot's least K), and it rotates in q's
         # dtype as the rotary kernel does
         d = self.kv_cache.head_dim

@@ -187,6 +187,9 @@ TC_SMALL_BATCH = 64
 # query heads a KV head that the engine takes decode_tc.cu for, FP8 and bf16 pools: faster than Triton's kernel and
 # decode.cu's there
 TC_GROUPS = (2, 4, 8)
+ROPE_MAX_HIDDEN = (
+    2048  # decode_tc.cu's: the largest hidden row a `_rope` program reduces for a folded norm's scale
+)
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
@@ -213,10 +216,16 @@ def tc_program(
     return "\n".join(lines) + "\n"
 
 
+def _aligned(x: torch.Tensor, *dims: int) -> bool:
+    """x starts on a 16-byte boundary, and so does every step along `dims` (decode_tc.cu copies 16 bytes at a time)."""
+    step = 16 // x.element_size()
+    return x.data_ptr() % 16 == 0 and all(x.stride(d) % step == 0 for d in dims)
+
+
 def rope_args(rope: DecodeRope, q: torch.Tensor) -> tuple[Any, ...] | None:
-    """decode_tc.cu's DECODE_ROPE_PARAMS for `rope`, or None where its kernels cannot take it (they read bf16
-    heads of 128 dims, int64 positions and slots, a float32 or bf16 cos | sin table, bf16 norm weights and
-    hidden states, and one eps for the q and the k norm)."""
+    """decode_tc.cu's DECODE_ROPE_PARAMS for `rope`, or None where its kernels cannot take it: they copy 16-byte
+    words of bf16 heads of 128 dims, of a float32 or bf16 cos | sin table, of bf16 norm weights and of a bf16 hidden
+    row of at most ROPE_MAX_HIDDEN (a multiple of 8), and read int64 positions and slots and one eps for both norms."""
     k, v = rope.k, rope.v
     hidden = rope.row_scale[0] if rope.row_scale is not None else None
     weights = [w for w in (rope.q_weight, rope.k_weight) if w is not None]
@@ -226,13 +235,24 @@ def rope_args(rope: DecodeRope, q: torch.Tensor) -> tuple[Any, ...] | None:
         or k.stride() != v.stride()
         or k.stride(-1) != 1
         or k.shape[-1] != HEAD_DIM
+        or not (_aligned(k, 0, 1) and _aligned(v, 0, 1))
         or rope.positions.dtype != torch.int64
         or rope.loc.dtype != torch.int64
         or rope.cos_sin.dtype not in (torch.float32, torch.bfloat16)
         or rope.cos_sin.stride(-1) != 1
+        or not _aligned(rope.cos_sin, 0)
         or len(weights) == 1
-        or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in weights)
-        or (hidden is not None and (hidden.dtype != torch.bfloat16 or hidden.stride(-1) != 1))
+        or any(w.dtype != torch.bfloat16 or not w.is_contiguous() or not _aligned(w) for w in weights)
+        or (
+            hidden is not None
+            and (
+                hidden.dtype != torch.bfloat16
+                or hidden.stride(-1) != 1
+                or hidden.shape[-1] > ROPE_MAX_HIDDEN
+                or hidden.shape[-1] % 8
+                or not _aligned(hidden, 0)
+            )
+        )
         or q.shape[0] != k.shape[0]
     ):
         return None

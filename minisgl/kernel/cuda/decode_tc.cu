@@ -374,12 +374,19 @@ struct RopeArgs {
     float s_eps;
 };
 
-// what the rotation leaves in shared memory: the group's rotated query heads and the new token's K and V rows as
-// the pool holds them (bf16: 256 bytes, FP8: 128), and the warps' partial sums of squares
+// the largest hidden row a program reduces for a folded norm's 1 / rms (decode.py's rope_args refuses larger ones)
+constexpr int ROPE_MAX_HIDDEN = 2048;
+
+// the rotation's inputs, copied into shared memory by cp.async before the pool's first tiles (one group, the oldest:
+// so that they wait on one round trip to memory, beside the copies', and hold no registers meanwhile), and what it
+// leaves there: the group's rotated query heads (over their inputs) and the new token's K and V rows as the pool
+// holds them (bf16: 256 bytes, FP8: 128)
 struct RopeShared {
+    uint4 hid[ROPE_MAX_HIDDEN * 2 / 16];
     bf16_t q[8][128];
+    bf16_t kin[128], vin[128], qw[128], kw[128];
+    float cs[128];  // cos | sin at dims 0 .. 63 (float32 tables; a bf16 table's 128 values fill half of it)
     uint4 k[16], v[16];
-    float red[6][4];
 };
 
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
@@ -399,108 +406,123 @@ __device__ __forceinline__ unsigned char to_e4m3(float x, float scale) {
     return static_cast<unsigned char>(r & 0xff);
 }
 
-__device__ __forceinline__ float cos_sin_at(const RopeArgs& ra, long long pos, int col) {
-    const long long at = pos * ra.stride_cs + col;
-    const float x = ra.cs_bf16 ? bf16_to_f32(reinterpret_cast<const bf16_t*>(ra.CosSin)[at])
-                               : reinterpret_cast<const float*>(ra.CosSin)[at];
-    return round_bf16(x);  // rounded to the heads' dtype first, as the rotary kernel and transformers do
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global to shared memory, 16 bytes a thread a turn
+__device__ __forceinline__ void stage(void* dst, const void* src, int bytes) {
+    for (int c = threadIdx.x; c < bytes / 16; c += 128)
+        cp_async16(reinterpret_cast<uint4*>(dst) + c, reinterpret_cast<const uint4*>(src) + c, 16);
 }
 
-// the rotation of request b's query heads (kvh's group) into rs.q and, where `holds`, of its K head into the pool
-// and rs.k, its V into both; every thread of the program takes part (128: a pair of dims (i, i + 64) of a head
-// each, two heads at a time)
-template <int G, bool FP8>
-__device__ __forceinline__ void rotate_into_shared(RopeShared& rs, const RopeArgs& ra, const bf16_t* Q, char* K,
-                                                   char* V, const float* KScale, const float* VScale, int b,
-                                                   int kvh, long long stride_qt, long long stride_qh,
-                                                   long long stride_kt, long long stride_kh, bool holds) {
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, i = tid % 64;
-    float inv = 1.0f;
-    if (ra.Hid != nullptr) {  // 1 / rms of the hidden row, float32 as norm.py's row_inv_rms
-        float ss = 0.0f;
-        for (int c = tid; c < ra.s_n; c += 128) {
-            const float x = bf16_to_f32(ra.Hid[b * ra.stride_s + c]);
-            ss += x * x;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) rs.red[0][warp] = ss;
-        __syncthreads();
-        inv = rsqrtf((rs.red[0][0] + rs.red[0][1] + rs.red[0][2] + rs.red[0][3]) / ra.s_n + ra.s_eps);
-    }
-    const long long pos = ra.Pos[b];
-    const float cs = cos_sin_at(ra, pos, i), sn = cos_sin_at(ra, pos, 128 + i);
-    const long long slot = holds ? ra.Loc[b] : 0;
-    constexpr int ES = FP8 ? 1 : 2;
-    // jobs 0 .. G - 1 the query heads, job G the K head; two a turn (threads 0-63 and 64-127)
+// the rotation's inputs of request b (kvh's query heads, and where `holds` its K and V heads) on their way into rs:
+// one cp.async group, committed
+template <int G>
+__device__ __forceinline__ void stage_rope(RopeShared& rs, const RopeArgs& ra, const bf16_t* Q, int b, int kvh,
+                                           long long pos, long long stride_qt, long long stride_qh, bool holds) {
 #pragma unroll
-    for (int r = 0; r < (G + 2) / 2; ++r) {
-        const int job = 2 * r + tid / 64;
+    for (int h = 0; h < G; ++h) stage(rs.q[h], Q + b * stride_qt + (kvh * G + h) * stride_qh, 256);
+    if (holds) {
+        stage(rs.kin, ra.Knew + b * ra.stride_nt + kvh * ra.stride_nh, 256);
+        stage(rs.vin, ra.Vnew + b * ra.stride_nt + kvh * ra.stride_nh, 256);
+    }
+    if (ra.QW != nullptr) {
+        stage(rs.qw, ra.QW, 256);
+        stage(rs.kw, ra.KW, 256);
+    }
+    const int es = ra.cs_bf16 ? 2 : 4;  // the table row is [cos | sin], 128 wide each (halves equal)
+    const char* row = reinterpret_cast<const char*>(ra.CosSin) + pos * ra.stride_cs * es;
+    stage(rs.cs, row, 64 * es);
+    stage(reinterpret_cast<char*>(rs.cs) + 64 * es, row + 128 * es, 64 * es);
+    if (ra.Hid != nullptr) stage(rs.hid, ra.Hid + b * ra.stride_s, ra.s_n * 2);
+    cp_async_commit();
+}
+
+// the rotation of request b's query heads (kvh's group) in rs.q and, where `holds`, of its K head into the pool and
+// rs.k, its V into both, once stage_rope's group is in (the caller waits for it). A head is one warp's (jobs 0 .. G - 1
+// the query heads, job G the K head with V; warp w takes jobs w, w + 4, ...), a lane its dims (l, l + 64) and
+// (l + 32, l + 96), so that every sum is the warp's own: no barrier but the two around it
+template <int G, bool FP8>
+__device__ __forceinline__ void rotate_in_shared(RopeShared& rs, const RopeArgs& ra, char* K, char* V,
+                                                 const float* KScale, const float* VScale, long long slot,
+                                                 long long stride_kt, long long stride_kh, int kvh, bool holds) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // every thread's copies are in
+    float inv = 1.0f;
+    if (ra.Hid != nullptr) {  // 1 / rms of the hidden row, float32 as norm.py's row_inv_rms; each warp sums it all
+        float ss = 0.0f;
+        for (int c = lane; c < ra.s_n / 8; c += 32) {  // 8 elements a word (rope_args: s_n a multiple of 8)
+            const uint4 w = rs.hid[c];
+            const u32 pairs[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float lo = bf16_to_f32(pairs[e] & 0xffff), hi = bf16_to_f32(pairs[e] >> 16);
+                ss += lo * lo + hi * hi;
+            }
+        }
+        inv = rsqrtf(warp_sum(ss) / ra.s_n + ra.s_eps);
+    }
+    // cos and sin at dims lane and lane + 32, rounded to the heads' dtype first, as the rotary kernel and
+    // transformers do
+    float cs[2], sn[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int d = lane + 32 * h;
+        cs[h] = round_bf16(ra.cs_bf16 ? bf16_to_f32(reinterpret_cast<const bf16_t*>(rs.cs)[d]) : rs.cs[d]);
+        sn[h] = round_bf16(ra.cs_bf16 ? bf16_to_f32(reinterpret_cast<const bf16_t*>(rs.cs)[64 + d]) : rs.cs[64 + d]);
+    }
+    constexpr int ES = FP8 ? 1 : 2;
+    for (int job = warp; job <= G; job += 4) {
         const bool is_k = job == G;
-        const bool active = job < G || (is_k && holds);
-        float a = 0.0f, c = 0.0f;
-        if (active) {
-            const bf16_t* src = is_k ? ra.Knew + b * ra.stride_nt + kvh * ra.stride_nh
-                                     : Q + b * stride_qt + (kvh * G + job) * stride_qh;
-            a = bf16_to_f32(src[i]);
-            c = bf16_to_f32(src[i + 64]);
-            if (ra.Hid != nullptr) {
-                a = round_bf16(a * inv);
-                c = round_bf16(c * inv);
-            }
+        if (is_k && !holds) break;
+        const bf16_t* src = is_k ? rs.kin : rs.q[job];
+        float x[4];  // dims lane, lane + 32 (first halves), lane + 64, lane + 96 (their partners)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            x[e] = bf16_to_f32(src[lane + 32 * e]);
+            if (ra.Hid != nullptr) x[e] = round_bf16(x[e] * inv);
         }
-        if (ra.QW != nullptr) {  // the head's RMSNorm: its 128 dims over two warps
-            const float ss = warp_sum(a * a + c * c);
-            if (lane == 0) rs.red[1 + r][warp] = ss;
-            __syncthreads();
-            const float h = rsqrtf((rs.red[1 + r][warp & ~1] + rs.red[1 + r][warp | 1]) / 128.0f + ra.eps);
-            if (active) {
-                const bf16_t* w = is_k ? ra.KW : ra.QW;
-                a = round_bf16(round_bf16(a * h) * bf16_to_f32(w[i]));
-                c = round_bf16(round_bf16(c * h) * bf16_to_f32(w[i + 64]));
-            }
+        if (ra.QW != nullptr) {  // the head's RMSNorm
+            const float h = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) / 128.0f + ra.eps);
+            const bf16_t* w = is_k ? rs.kw : rs.qw;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = round_bf16(round_bf16(x[e] * h) * bf16_to_f32(w[lane + 32 * e]));
         }
-        if (!active) continue;
-        const float y1 = round_bf16(a * cs - c * sn), y2 = round_bf16(c * cs + a * sn);
-        if (!is_k) {
-            rs.q[job][i] = f32_to_bf16(y1);
-            rs.q[job][i + 64] = f32_to_bf16(y2);
+        float y[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            y[h] = round_bf16(x[h] * cs[h] - x[h + 2] * sn[h]);
+            y[h + 2] = round_bf16(x[h + 2] * cs[h] + x[h] * sn[h]);
+        }
+        if (!is_k) {  // over its input: each dim is this lane's alone
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rs.q[job][lane + 32 * e] = f32_to_bf16(y[e]);
             continue;
         }
-        char* dst = K + slot * stride_kt * ES + kvh * stride_kh * ES;
-        if constexpr (FP8) {
-            const float ks = KScale[0];
-            const unsigned char e1 = to_e4m3(y1, ks), e2 = to_e4m3(y2, ks);
-            dst[i] = e1;
-            dst[i + 64] = e2;
-            reinterpret_cast<unsigned char*>(rs.k)[i] = e1;
-            reinterpret_cast<unsigned char*>(rs.k)[i + 64] = e2;
-        } else {
-            const bf16_t h1 = f32_to_bf16(y1), h2 = f32_to_bf16(y2);
-            reinterpret_cast<bf16_t*>(dst)[i] = h1;
-            reinterpret_cast<bf16_t*>(dst)[i + 64] = h2;
-            reinterpret_cast<bf16_t*>(rs.k)[i] = h1;
-            reinterpret_cast<bf16_t*>(rs.k)[i + 64] = h2;
-        }
-    }
-    if (holds) {  // V: scaled and stored, a dim a thread
-        float x = bf16_to_f32(ra.Vnew[b * ra.stride_nt + kvh * ra.stride_nh + tid]);
-        if (ra.Hid != nullptr) x = round_bf16(x * inv);
-        char* dst = V + slot * stride_kt * ES + kvh * stride_kh * ES;
-        if constexpr (FP8) {
-            const unsigned char e = to_e4m3(x, VScale[0]);
-            dst[tid] = e;
-            reinterpret_cast<unsigned char*>(rs.v)[tid] = e;
-        } else {
-            const bf16_t h = f32_to_bf16(x);
-            reinterpret_cast<bf16_t*>(dst)[tid] = h;
-            reinterpret_cast<bf16_t*>(rs.v)[tid] = h;
+        char* kdst = K + slot * stride_kt * ES + kvh * stride_kh * ES;
+        char* vdst = V + slot * stride_kt * ES + kvh * stride_kh * ES;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int d = lane + 32 * e;
+            float v = bf16_to_f32(rs.vin[d]);
+            if (ra.Hid != nullptr) v = round_bf16(v * inv);
+            if constexpr (FP8) {
+                const unsigned char ek = to_e4m3(y[e], KScale[0]), ev = to_e4m3(v, VScale[0]);
+                kdst[d] = ek;
+                vdst[d] = ev;
+                reinterpret_cast<unsigned char*>(rs.k)[d] = ek;
+                reinterpret_cast<unsigned char*>(rs.v)[d] = ev;
+            } else {
+                const bf16_t hk = f32_to_bf16(y[e]), hv = f32_to_bf16(v);
+                reinterpret_cast<bf16_t*>(kdst)[d] = hk;
+                reinterpret_cast<bf16_t*>(vdst)[d] = hv;
+                reinterpret_cast<bf16_t*>(rs.k)[d] = hk;
+                reinterpret_cast<bf16_t*>(rs.v)[d] = hv;
+            }
         }
     }
     __syncthreads();  // rs.q, rs.k and rs.v are whole
 }
 
-// warp 0's tile of the new token (key seq_len - 1) into its state: the row from rs into stage 0 of its ring (the
-// other 15 rows zero, masked out of the softmax) and attended as a pool tile
+// the tile of the new token (key seq_len - 1) into the calling warp's state: the row from rs into stage 0 of its
+// ring (the other 15 rows zero, masked out of the softmax) and attended as a pool tile
 template <int STAGES, bool FP8>
 __device__ __forceinline__ void attend_new_token(State& st, uint4* ring, const RopeShared& rs, const u32 (&qf)[8][2],
                                                  float scale, int seq_len, int g, int t) {
@@ -539,6 +561,13 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS, const RopeArgs& ra
     const float scale = qk_scale * (FP8 ? KScale[0] : 1.0f);
     constexpr int ES = FP8 ? 1 : 2;  // bytes an element of the pool
 
+    // the rotation's inputs first, one cp.async group ahead of the pool's first tiles
+    __shared__ RopeShared rs;
+    long long slot = 0;
+    if constexpr (ROPE) {
+        slot = holds ? ra.Loc[b] : 0;
+        stage_rope<G>(rs, ra, Q, b, kvh, ra.Pos[b], stride_qt, stride_qh, holds);
+    }
     const int* table = PageTable + row * stride_pt;
     const int stride = WARPS * TILE;
     const int first = start + warp * TILE;
@@ -551,11 +580,11 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS, const RopeArgs& ra
         if (i < tiles) copy_tile<STAGES, FP8>(smem, K, V, slots_of(i), row_bytes, head_col, i);
         cp_async_commit();
     }
-    // the pool's first tiles are on their way while the heads are rotated
-    __shared__ RopeShared rs;
-    if constexpr (ROPE)
-        rotate_into_shared<G, FP8>(rs, ra, Q, const_cast<char*>(K), const_cast<char*>(V), KScale, VScale, b, kvh,
-                                   stride_qt, stride_qh, stride_kt, stride_kh, holds);
+    if constexpr (ROPE) {  // the pool's first tiles are on their way while the heads are rotated
+        cp_async_wait<STAGES - 1>();  // the rotation's group, the oldest, is in
+        rotate_in_shared<G, FP8>(rs, ra, const_cast<char*>(K), const_cast<char*>(V), KScale, VScale, slot, stride_kt,
+                                 stride_kh, kvh, holds);
+    }
     // Q as the B operand of S = K Q^T: query g's dims 32t + 4j .. 32t + 4j + 3 for chunk j (zero for g >= G); for an
     // FP8 pool times the scale in f16, for a bf16 one as stored (its scores are scaled in f32)
     u32 qf[8][2];
@@ -612,8 +641,9 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS, const RopeArgs& ra
         }
     }
     cp_async_wait<0>();
+    // the new token's tile goes to the warp the pool gave fewest tiles (the one its next tile would have gone to)
     if constexpr (ROPE)
-        if (holds && warp == 0) {
+        if (holds && warp == (pool_end - start + TILE - 1) / TILE % WARPS) {
             __syncwarp();  // every lane is done with the ring
             attend_new_token<STAGES, FP8>(st, smem, rs, qf, scale, seq_len, g, t);
         }
