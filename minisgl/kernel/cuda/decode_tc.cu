@@ -582,6 +582,7 @@ __device__ __forceinline__ void decode_tc_body(DECODE_PARAMS, const RopeArgs& ra
     }
     if constexpr (ROPE) {  // the pool's first tiles are on their way while the heads are rotated
         cp_async_wait<STAGES - 1>();  // the rotation's group, the oldest, is in
+        // the pool is written only at the new token's slot, which no program of this launch reads from it
         rotate_in_shared<G, FP8>(rs, ra, const_cast<char*>(K), const_cast<char*>(V), KScale, VScale, slot, stride_kt,
                                  stride_kh, kvh, holds);
     }
