@@ -362,6 +362,10 @@ def test_chat_applies_the_chat_template(
     ids = [llm.tokenizer(t).input_ids for t in templated]
     assert [o["prompt_tokens"] for o in out] == [len(i) for i in ids]
     assert [o["token_ids"] for o in out] == hf_reference(path, ids, 8)
+    # vLLM's RequestOutput.prompt of a chat: the rendered conversation; each of n choices carries it
+    assert [o.prompt for o in out] == templated and [o.prompt_token_ids for o in out] == ids
+    two = llm.chat(conversations, SamplingParams(max_tokens=2, n=2, temperature=0.8, seed=1))
+    assert [o.prompt for o in two] == [templated[0]] * 2 + [templated[1]] * 2
     assert_nothing_held(llm)
 
 

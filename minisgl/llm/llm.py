@@ -393,7 +393,15 @@ class LLM(Scheduler):
             for c, o in zip(conversations, options)
         ]
         # the rendered prompts are the tokenizer's ids: generate's checks of a caller's prompts have nothing to find
-        return self._generate(prompts, sampling_list(sampling_params, len(prompts)), use_tqdm, priority)
+        outputs = self._generate(prompts, sampling_list(sampling_params, len(prompts)), use_tqdm, priority)
+        # each output's `prompt` the rendered conversation, as vLLM's chat gives it: the ids decoded, special
+        # tokens kept, once a conversation (its n choices follow it, index 1 .. n-1)
+        text = None
+        for out in outputs:
+            if out.index == 0:
+                text = self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+            out.prompt = text
+        return outputs
 
     def get_tokenizer(self) -> Any:
         """vLLM's: the model's tokenizer (transformers'), as generate and chat use it."""
