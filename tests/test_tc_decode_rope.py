@@ -133,8 +133,9 @@ def test_the_kernel_rotates_stores_and_attends_as_the_rotary_kernel_then_the_ker
         if fused:
             w = weights or (None, None)
             rope = DecodeRope(k, v, pos.to(dev), cos_sin, loc.to(dev), *w, 1e-6, row_scale)
-            assert kernel.takes_rope(rope, q, k_cache)
-            out = kernel(*args, order=order, variant=pick, rope=rope)
+            params = kernel.rope_params(rope, q, k_cache)
+            assert params is not None
+            out = kernel(*args, order=order, variant=pick, rope=params)
         else:
             dest = KVDestination(k_cache, v_cache, loc.to(dev), *scales)
             norms = (*weights, 1e-6) if weights else None

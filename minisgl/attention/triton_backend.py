@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -234,8 +235,10 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor:
         if batch.size > ENV.FUSED_DECODE_ROPE.value:
             k_cache = self.layer_views[layer_id][0]
-            if self.tc_decode is None or not self.tc_decode.takes_rope(rope, q, k_cache):
+            params = self.tc_decode.rope_params(rope, q, k_cache) if self.tc_decode is not None else None
+            if params is None:
                 return self._rope_then_decode(q, layer_id, batch, rope)
+            return self._decode(q, layer_id, batch, tc_rope=params)
         return self._decode(q, layer_id, batch, rope)
 
     def _rope_then_decode(
@@ -257,19 +260,22 @@ class TritonAttnBackend(BaseAttnBackend):
         batch: Batch,
         rope: DecodeRope | None = None,
         meta: TritonAttnMetadata | None = None,
+        tc_rope: tuple[Any, ...] | None = None,
     ) -> torch.Tensor:
-        """`meta`: a mixed step's decode rows' (their part of q); None: the decode step's."""
+        """`meta`: a mixed step's decode rows' (their part of q); None: the decode step's. `rope`: the rotary work
+        inside Triton's decode kernel; `tc_rope`: inside the tensor-core kernel (its `rope_params`)."""
         meta = batch.attn_metadata if meta is None else meta
         assert meta is not None
         k_cache, v_cache, k_scale, v_scale = self.layer_views[layer_id]
         # the arguments both kernels take, in their order
         args = (q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits, self.scale)
+        if tc_rope is not None:
+            assert self.tc_decode is not None
+            return self.tc_decode(*args, k_scale, v_scale, order=meta.order, rope=tc_rope)
         if rope is None:
             for kernel in (self.tc_decode, self.cuda_decode):  # the tensor cores first where they apply
                 if kernel is not None and kernel.applies(q, k_cache):
                     return kernel(*args, k_scale, v_scale, order=meta.order)
-        elif batch.size > ENV.FUSED_DECODE_ROPE.value and self.tc_decode is not None:
-            return self.tc_decode(*args, k_scale, v_scale, order=meta.order, rope=rope)
         return decode_attention(*args, k_scale, v_scale, rope, meta.order)
 
     def kv_destination(self, layer_id: int, batch: Batch) -> KVDestination | None:

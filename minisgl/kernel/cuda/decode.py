@@ -136,10 +136,11 @@ class CudaDecode:
         v_scale: torch.Tensor | None = None,
         order: torch.Tensor | None = None,
         variant: tuple[int, int] | None = None,
-        rope: DecodeRope | None = None,
+        rope: tuple[Any, ...] | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, 128] bf16; k/v_cache: [slots, Hk, 128]; rows, seq_lens, order: [B] int32 -> [B, Hq, 128],
-        as `minisgl.kernel.attention.decode_attention`; `rope` only where `takes_rope` says so."""
+        as `minisgl.kernel.attention.decode_attention`; `rope`: the step's rotary work as `rope_params` gives it
+        (then q comes unrotated and this step's K/V unstored)."""
         from minisgl.kernel.attention import _decode_merge_kernel
 
         bs, hq, d = q.shape
@@ -160,10 +161,9 @@ class CudaDecode:
             ctypes.c_float(sm_scale * _LOG2E),
         )  # fmt: skip
         if rope is not None:
-            extra = rope_args(rope, q) if self.rope else None
-            if extra is None:
-                raise ValueError("this decode kernel cannot take the rotary kernel's work: see takes_rope")
-            args = (*args, *extra)
+            if not self.rope:
+                raise ValueError("this decode kernel was built without the rotary kernel's work (rope=True)")
+            args = (*args, *rope)
         variant = variant or self.variant(bs)
         name = self.kernel(hq // hk, variant, rope is not None)
         stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -298,9 +298,12 @@ class TensorCoreDecode(CudaDecode):
     def kernel(self, group: int, variant: tuple[int, int], rope: bool = False) -> str:
         return tc_kernel_name(group, variant, self.fp8, rope)
 
-    def takes_rope(self, rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether its `_rope` kernels can take this step's q over k_cache with the rotary kernel's work inside."""
-        return self.rope and self.applies(q, k_cache) and rope_args(rope, q) is not None
+    def rope_params(self, rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[Any, ...] | None:
+        """The `rope` argument of a call for this step's q over k_cache with the rotary kernel's work inside (its
+        `_rope` kernels' extra arguments), or None where they cannot take it."""
+        if not (self.rope and self.applies(q, k_cache)):
+            return None
+        return rope_args(rope, q)
 
     def shared_bytes(self, variant: tuple[int, int]) -> int:
         """The ring (4 warps, K and V, 16 rows of 128 or 256 bytes a stage), or the join's floats if larger."""
