@@ -187,9 +187,8 @@ TC_SMALL_BATCH = 64
 # query heads a KV head that the engine takes decode_tc.cu for, FP8 and bf16 pools: faster than Triton's kernel and
 # decode.cu's there
 TC_GROUPS = (2, 4, 8)
-ROPE_MAX_HIDDEN = (
-    2048  # decode_tc.cu's: the largest hidden row a `_rope` program reduces for a folded norm's scale
-)
+# decode_tc.cu's: the largest hidden row a `_rope` program reduces for a folded norm's scale
+ROPE_MAX_HIDDEN = 2048
 _JOIN_BYTES = 4 * (1056 + 16) * 4  # decode_tc.cu's join of the warps' states, in the ring's place
 
 
