@@ -78,6 +78,23 @@ class _Pool:
         self.fp8 = fp8
 
 
+def test_the_largest_hidden_row_is_the_kernels_own() -> None:
+    """rope_args refuses hidden rows longer than the `_rope` kernels' shared memory holds: the two constants agree."""
+    from minisgl.kernel.cuda import source
+    from minisgl.kernel.cuda.decode import ROPE_MAX_HIDDEN, rope_args
+
+    found = re.search(r"constexpr int ROPE_MAX_HIDDEN = (\d+);", source("decode_tc.cu"))
+    assert found is not None and int(found.group(1)) == ROPE_MAX_HIDDEN
+    q = torch.zeros(2, 4, D, dtype=torch.bfloat16)
+    kv = torch.zeros(2, HK, D, dtype=torch.bfloat16)
+    ids = torch.zeros(2, dtype=torch.int64)
+    cos_sin = RotaryEmbedding(D, 16, 1e4, None).cos_sin
+    for n, fits in ((ROPE_MAX_HIDDEN, True), (ROPE_MAX_HIDDEN + 8, False), (1020, False)):
+        hidden = torch.zeros(2, n, dtype=torch.bfloat16)
+        rope = DecodeRope(kv, kv.clone(), ids, cos_sin, ids, row_scale=(hidden, 1e-6))
+        assert (rope_args(rope, q) is not None) == fits, n
+
+
 @functools.cache
 def _kernels(fp8: bool) -> TensorCoreDecode:
     variants = TC_VARIANTS if fp8 else TC_BF16_VARIANTS
