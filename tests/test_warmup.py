@@ -125,6 +125,7 @@ def fake_engine(
     backend.cuda_decode = kernel if cuda else None
     backend.tc_decode = None
     backend.ordered = lambda bs: ordered_from(bs, 32)
+    backend.tc_rope = lambda bs: TritonAttnBackend.tc_rope(backend, bs)  # type: ignore[arg-type]
     backend.decode_variant = lambda bs: TritonAttnBackend.decode_variant(backend, bs)  # type: ignore[arg-type]
     return SimpleNamespace(
         device=torch.device("cuda"),
