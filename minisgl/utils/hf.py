@@ -55,17 +55,86 @@ def resolve_model_path(model_path: str | None) -> str:
     return path
 
 
+# A config.json that writes out every value ModelConfig.from_hf and the EOS lookup read, for a model type whose
+# transformers class would only add defaults to it, is read as it is: transformers' AutoConfig imports about a
+# second of modules at every start on a 2-core machine. The keys each type must write (where its class's default
+# differs from from_hf's, or is not a constant): the others, and any other type, go through AutoConfig.
+_CONFIG_KEYS = (
+    "architectures", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+    "hidden_act", "eos_token_id",
+)  # fmt: skip
+# (MoE types go through AutoConfig: transformers writes their expert count under another name, num_local_experts,
+# which its attribute map reads back as num_experts)
+_CONFIG_TYPES: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "mistral": ("sliding_window",),
+    "qwen2": ("use_sliding_window",),
+    "qwen3": ("head_dim", "use_sliding_window"),
+}
+
+
+def _written_config(model_dir: str) -> Any | None:
+    """config.json as a namespace where it writes out all the engine reads (above), else None."""
+    cfg = _read_json(os.path.join(model_dir, "config.json"))
+    need = _CONFIG_TYPES.get(cfg.get("model_type"))
+    if need is None or any(k not in cfg for k in (*_CONFIG_KEYS, *need)):
+        return None
+    params = cfg.get("rope_parameters")
+    # rope settings as transformers >= 5 writes them, or a plain theta; older scaling entries are normalised by
+    # AutoConfig (their keys differ from version to version)
+    if cfg.get("rope_scaling") is not None or (params is not None and not isinstance(params, dict)):
+        return None
+    if (params is None or "rope_theta" not in params) and "rope_theta" not in cfg:
+        return None
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**cfg)
+
+
 def load_hf_config(model_dir: str) -> Any:
+    """The model's Hugging Face config: its config.json as written where that holds all the engine reads, else
+    transformers' AutoConfig (tests/test_hf_loading.py checks both give the same ModelConfig)."""
+    written = _written_config(model_dir)
+    if written is not None:
+        return written
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
 
 
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# A Llama model whose tokenizer_config.json names transformers' generic fast tokenizer gets that class from
+# AutoTokenizer (other model types may get a class of their own: Qwen2's, for one); it is taken through that class
+# directly, without AutoTokenizer's imports (about a second of every start on a 2-core machine). The embedded
+# default model is one.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Any:
     """The model's tokenizer; `chat_template` (a Jinja text, read_chat_template's) replaces its chat template."""
-    from transformers import AutoTokenizer
+    generic = (
+        _read_json(os.path.join(model_dir, "tokenizer_config.json")).get("tokenizer_class")
+        in _GENERIC_TOKENIZERS
+        and _read_json(os.path.join(model_dir, "config.json")).get("model_type") == "llama"
+        and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+    )
+    if generic:
+        from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
