@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import gguf
 import numpy as np
@@ -207,6 +208,36 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(str(path), cache_dir=str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_new_conversion_removes_those_no_file_can_ask_for_again(tmp_path, monkeypatch) -> None:
+    """A reinstalled package's (or a replaced download's) file gets a new conversion; the old one, whose file is
+    changed or gone, goes, while a conversion of a file of the same name elsewhere that is still there stays, and so
+    does one converted before the source record was written."""
+
+    def fake(src: str, out: str) -> None:
+        open(os.path.join(out, "config.json"), "w").close()
+
+    monkeypatch.setattr(mgguf, "_convert_into", fake)
+    cache = str(tmp_path / "cache")
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_bytes(b"one")
+    first_a, first_b = convert_gguf(str(a), cache_dir=cache), convert_gguf(str(b), cache_dir=cache)
+    assert json.load(open(os.path.join(first_a, mgguf.SOURCE_FILE)))["path"] == str(a)
+    legacy = os.path.join(cache, "model-0123456789ab")
+    os.mkdir(legacy)  # converted before the record: its file may be anywhere, so it stays
+    other = os.path.join(cache, "other-0123456789ab")
+    shutil.copytree(first_a, other)  # another file's name: never looked at
+    a.write_bytes(b"changed")  # a new size and time: a new key
+    second_a = convert_gguf(str(a), cache_dir=cache)
+    assert second_a != first_a and not os.path.exists(first_a)
+    assert os.path.isdir(first_b) and os.path.isdir(legacy) and os.path.isdir(other)
+    b.unlink()  # gone: its conversion goes at the next conversion of a file of that name
+    a.write_bytes(b"changed again")
+    third_a = convert_gguf(str(a), cache_dir=cache)
+    assert sorted(os.listdir(cache)) == sorted(os.path.basename(p) for p in (third_a, legacy, other))
 
 
 def test_default_model_path_missing(monkeypatch) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -82,15 +83,49 @@ def default_model_path() -> str:
     return path
 
 
+# each conversion's record of the file it came from (its path, size and mtime: the folder's key), so that a later
+# conversion can tell which folders no file can ask for again
+SOURCE_FILE = "minisgl_source.json"
+
+
+def _source(path: str) -> dict[str, object]:
+    st = os.stat(path)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _stem(path: str) -> str:
+    stem = os.path.basename(path)
+    return stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
+
+
 def _cache_folder(path: str, cache_dir: str) -> str:
     # Keyed on path, size and mtime so a replaced file gets a fresh conversion.
-    st = os.stat(path)
-    key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    src = _source(path)
+    key = f"{path}\0{src['size']}\0{src['mtime_ns']}".encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
-    stem = os.path.basename(path)
-    if stem.lower().endswith(".gguf"):
-        stem = stem[: -len(".gguf")]
-    return os.path.join(cache_dir, f"{stem}-{digest}")
+    return os.path.join(cache_dir, f"{_stem(path)}-{digest}")
+
+
+def _stale(folder: str) -> bool:
+    """Whether `folder` is a conversion whose file is gone or changed: its key can never be asked for again. A
+    folder without the record (converted before it was written) is kept: its file may still be there."""
+    try:
+        with open(os.path.join(folder, SOURCE_FILE), encoding="utf-8") as f:
+            recorded = json.load(f)
+        return not os.path.isfile(recorded["path"]) or _source(recorded["path"]) != recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _remove_stale(path: str, cache_dir: str, keep: str) -> None:
+    """Removes the conversions of files named as `path` (a reinstalled package's, a replaced download's) that no
+    file can ask for again: each is a whole copy of a model (517 MB for the default one)."""
+    pattern = re.compile(re.escape(_stem(path)) + r"-[0-9a-f]{12}")
+    for name in os.listdir(cache_dir):
+        folder = os.path.join(cache_dir, name)
+        if folder != keep and pattern.fullmatch(name) and os.path.isdir(folder) and _stale(folder):
+            logger.info("removing %s: the file it was converted from is gone or changed", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def convert_gguf(path: str, cache_dir: str | None = None) -> str:
@@ -108,6 +143,8 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
     os.mkdir(tmp)  # unlike tempfile.mkdtemp (0700) this honours the umask, so a shared cache stays readable
     try:
         _convert_into(path, tmp)
+        with open(os.path.join(tmp, SOURCE_FILE), "w", encoding="utf-8") as f:
+            json.dump(_source(path), f)
         try:
             os.replace(tmp, folder)
         except OSError:
@@ -119,6 +156,7 @@ def convert_gguf(path: str, cache_dir: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("converted %s in %.1f s", os.path.basename(path), time.perf_counter() - start)
+    _remove_stale(path, cache_dir, folder)
     return folder
 
 
