@@ -149,6 +149,29 @@ def test_every_option_has_a_description_and_its_default(parser: Callable[[], Any
 
 
 # ---- one line and an exit code ----------------------------------------------------------------------
+def test_the_command_leaves_without_teardown_but_runs_the_atexit_handlers_and_keeps_its_code() -> None:
+    """`python -m minisgl` exits by os._exit after main (no module teardown): an atexit handler still runs, the
+    output is flushed, and the exit code is main's."""
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\n"
+        "print('before', end='')\n"
+        "sys.argv = ['minisgl'] + sys.argv[1:]\n"
+        "runpy.run_module('minisgl', run_name='__main__')\n"
+        "print('AFTER-MAIN')\n"
+    )
+    for args, want in ((["generat"], 2), (["generate", "--help"], 0)):
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, env=ENV, timeout=120
+        )
+        assert out.returncode == want, out.stderr
+        assert (
+            out.stdout.startswith("before")
+            and out.stdout.rstrip().endswith("handler ran")
+            and "AFTER-MAIN" not in out.stdout
+        )
+
+
 def test_a_mistyped_command_names_the_commands() -> None:
     out = minisgl("generat", "hello")
     assert out.returncode == 2
