@@ -55,13 +55,16 @@ def main_then_exit() -> NoReturn:
     """main, then the process's exit without the interpreter's teardown of its modules (about 0.4 s of a 4 s
     `generate` on a 2-core machine): the atexit handlers still run (a trace's end, the
     logging handlers' flush, multiprocessing's children) and stdout and stderr are flushed, so nothing is lost."""
+    code: object = 0
     try:
         main()
-        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
+        code = e.code
+    # as the interpreter reads sys.exit's argument: None is 0, a message is printed and 1
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
