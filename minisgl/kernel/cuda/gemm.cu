@@ -217,3 +217,159 @@ __device__ __forceinline__ void gemm_body(const bf16_t* __restrict__ X, const bf
     extern "C" __global__ void __cluster_dims__(SPLIT, 1, 1) __launch_bounds__(WN * WM * 32) name(GEMM_PARAMS) {   \
         gemm_body<BN, BM, WN, WM, SPLIT, STAGES>(X, W, Y, R, M, K, ldx, ldw, ldy, ldr);                            \
     }
+
+// Experiment (docs/benchmarks.md, "Products of few rows whose weight waits in shared memory"): a program holds a
+// slice of 64 weight rows by ks columns in shared memory, asked for whole before its wait.
+#define GEMM_SLICE_ROWS 64  // weight rows a program
+#define GEMM_WARPS 8
+
+// warp w of WK takes the 16-column steps w, w + WK, ... of each group, for every token and weight row: each
+// operand's fragment is read from shared memory once (warps split along the rows or the tokens would each read
+// the other operand again), and the WK warps' sums meet in shared memory after the last group
+template <int SPLIT, int MR>
+__device__ __forceinline__ void slice_body(const bf16_t* __restrict__ X, const bf16_t* __restrict__ W, bf16_t* Y,
+                                           const bf16_t* R, int M, int ks, long long ldx, long long ldw,
+                                           long long ldy, long long ldr) {
+    constexpr int ROWS = GEMM_SLICE_ROWS, WK = GEMM_WARPS, CHUNKS = 4, THREADS = WK * 32;
+    constexpr int NT = ROWS / 8;   // n8 tiles (weight rows)
+    constexpr int MT = MR / 16;    // m16 tiles (tokens)
+    constexpr int LD = ROWS + 4;   // a token's partial sums (floats): the 32 lanes' writes in distinct banks
+    static_assert(NT % 2 == 0, "n-tiles in pairs (one ldmatrix.x4)");
+    extern __shared__ uint4 smem[];
+    // rows of ks columns and 16 bytes, so that ldmatrix's 8 rows fall in distinct banks
+    const int stride = ks + 8;
+    bf16_t* ws = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* xs = ws + ROWS * stride;
+
+    const int rank = blockIdx.x % SPLIT;  // the cluster is the SPLIT programs of one slice of rows, along x
+    const int n0 = blockIdx.x / SPLIT * ROWS, k0 = rank * ks;
+    const int lane = threadIdx.x % 32, wk = threadIdx.x / 32;
+    const int rows = M < MR ? M : MR;
+
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+    const int row_words = ks / 8;
+    for (int i = threadIdx.x; i < ROWS * row_words; i += THREADS) {
+        const int r = i / row_words, c = i % row_words;
+        copy16(smem_addr(ws + r * stride + c * 8), W + (long long)(n0 + r) * ldw + k0 + c * 8, 16);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    const int kc = ks / CHUNKS, chunk_words = kc / 8;
+#pragma unroll
+    for (int ch = 0; ch < CHUNKS; ++ch) {
+        for (int i = threadIdx.x; i < MR * chunk_words; i += THREADS) {
+            const int r = i / chunk_words, c = ch * chunk_words + i % chunk_words;
+            const bool in = r < rows;  // rows past M zero-filled, not read
+            copy16(smem_addr(xs + r * stride + c * 8), X + (in ? (long long)r * ldx + k0 + c * 8 : 0), in ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+#pragma unroll
+    for (int ch = 0; ch < CHUNKS; ++ch) {
+        // group ch (and the weight's, committed first) landed for this thread; the barrier, for every thread
+        if (ch == 0) asm volatile("cp.async.wait_group 3;\n" ::);
+        if (ch == 1) asm volatile("cp.async.wait_group 2;\n" ::);
+        if (ch == 2) asm volatile("cp.async.wait_group 1;\n" ::);
+        if (ch == 3) asm volatile("cp.async.wait_group 0;\n" ::);
+        __syncthreads();
+        for (int k = ch * kc + wk * 16; k < (ch + 1) * kc; k += WK * 16) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+                ldmatrix4(a[i], smem_addr(xs + (i * 16 + lane % 16) * stride + k + (lane / 16) * 8));
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {  // b0, b1 of n-tile j, then of n-tile j + 1
+                u32 b[4];
+                const int row = j * 8 + (lane / 16) * 8 + lane % 8;
+                ldmatrix4(b, smem_addr(ws + row * stride + k + ((lane / 8) % 2) * 8));
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    mma_bf16(acc[i][j], a[i], b[0], b[1]);
+                    mma_bf16(acc[i][j + 1], a[i], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // the partial sums: warp wk writes block wk of [WK][MR][LD] floats, over the tokens' room
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(xs);
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            float* p = part + (wk * MR + i * 16 + g) * LD + j * 8 + 2 * q;
+            *reinterpret_cast<float2*>(p) = make_float2(acc[i][j][0], acc[i][j][1]);
+            *reinterpret_cast<float2*>(p + 8 * LD) = make_float2(acc[i][j][2], acc[i][j][3]);
+        }
+    __syncthreads();
+    // 8 outputs an item: the WK blocks summed in order into block 0, each item by one thread
+    constexpr int ITEMS = MR * ROWS / 8;
+    for (int it = threadIdx.x; it < ITEMS; it += THREADS) {
+        const int tok = it / (ROWS / 8), f = it % (ROWS / 8) * 8;
+        if (tok >= rows) continue;
+        float4 lo = *reinterpret_cast<const float4*>(part + tok * LD + f);
+        float4 hi = *reinterpret_cast<const float4*>(part + tok * LD + f + 4);
+#pragma unroll
+        for (int w = 1; w < WK; ++w) {
+            const float4 l = *reinterpret_cast<const float4*>(part + (w * MR + tok) * LD + f);
+            const float4 h = *reinterpret_cast<const float4*>(part + (w * MR + tok) * LD + f + 4);
+            lo.x += l.x, lo.y += l.y, lo.z += l.z, lo.w += l.w;
+            hi.x += h.x, hi.y += h.y, hi.z += h.z, hi.w += h.w;
+        }
+        *reinterpret_cast<float4*>(part + tok * LD + f) = lo;
+        *reinterpret_cast<float4*>(part + tok * LD + f + 4) = hi;
+    }
+    if constexpr (SPLIT > 1)
+        cluster_sync();  // every program's block 0 summed (and visible to the cluster)
+    else
+        __syncthreads();
+    // program `rank` of the cluster writes items rank, rank + SPLIT, ..., summed over the ranks in order
+    for (int it = rank * THREADS + threadIdx.x; it < ITEMS; it += SPLIT * THREADS) {
+        const int tok = it / (ROWS / 8), f = it % (ROWS / 8) * 8;
+        if (tok >= rows) continue;
+        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) {  // in rank order: the same sum whichever program came last
+            const float* p = part + tok * LD + f;
+            const float4 lo = SPLIT > 1 ? cluster_load(p, r) : *reinterpret_cast<const float4*>(p);
+            const float4 hi = SPLIT > 1 ? cluster_load(p + 4, r) : *reinterpret_cast<const float4*>(p + 4);
+            s[0] += lo.x, s[1] += lo.y, s[2] += lo.z, s[3] += lo.w;
+            s[4] += hi.x, s[5] += hi.y, s[6] += hi.z, s[7] += hi.w;
+        }
+        const long long at = tok;
+        if (R != nullptr) {
+            const uint4 rv = *reinterpret_cast<const uint4*>(R + at * ldr + n0 + f);
+            const u32 w[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // added in float32 and rounded once, as cuBLAS's addmm (beta 1) does
+                s[2 * e] += bf16_lo(w[e]);
+                s[2 * e + 1] += bf16_hi(w[e]);
+            }
+        }
+        uint4 out;
+        out.x = pack_bf16(s[0], s[1]);
+        out.y = pack_bf16(s[2], s[3]);
+        out.z = pack_bf16(s[4], s[5]);
+        out.w = pack_bf16(s[6], s[7]);
+        *reinterpret_cast<uint4*>(Y + at * ldy + n0 + f) = out;
+    }
+    if constexpr (SPLIT > 1) cluster_sync();  // no program leaves while another still reads its partials
+}
+
+#define GEMM_SLICE_PARAMS                                                                                          \
+    const bf16_t *__restrict__ X, const bf16_t *__restrict__ W, bf16_t *Y, const bf16_t *R, int M, int ks,         \
+        long long ldx, long long ldw, long long ldy, long long ldr
+#define GEMM_SLICE_KERNEL(name, SPLIT, MR)                                                                         \
+    extern "C" __global__ void __cluster_dims__(SPLIT, 1, 1) __launch_bounds__(GEMM_WARPS * 32)                    \
+        name(GEMM_SLICE_PARAMS) {                                                                                  \
+        slice_body<SPLIT, MR>(X, W, Y, R, M, ks, ldx, ldw, ldy, ldr);                                             \
+    }
