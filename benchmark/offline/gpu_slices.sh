@@ -6,12 +6,12 @@
 #           ($STEP_VARIANTS, default old new8 new16 new16p8)
 #   single  streams of 512 prompt tokens and 512 new ones ($STREAMS, default 1 and 12), fresh processes
 #           alternating old and $SINGLE_VARIANT (default new16)
-# Variants (the tree of the commit that added this script; MINISGL_GEMM_SLICES is gone after it): old (a checkout
+# Variants (at commit 9e521ba, which added this script; MINISGL_GEMM_SLICES is gone after it): old (a checkout
 # of the tree before, in ./old, with its defaults); new8, new16 (every product of up to 8 or 16 rows by the weight
 # slices and the programmatic edges up to as many rows), new16p8 (the slices up to 16 rows, the edges up to 8);
 # base (the engine as it was), hyb8, hyb16 (q|k|v and gate|up by the slices, o and down by the tiles, up to 8 or 16
 # rows), tiles16 (the tiles and the edges up to 16 rows).
-# ./old for the variant old: `mkdir old && git archive HEAD~ minisgl benchmark | tar -x -C old` at that commit.
+# ./old for the variant old: `mkdir old && git archive edaf995 minisgl benchmark | tar -x -C old`.
 # Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh

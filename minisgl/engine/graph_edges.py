@@ -31,7 +31,7 @@ OWN_WAITERS = (
     r"|decode_(tc_)?(bf16|fp8)_g\d+_\w+)$"
 )
 # the CUDA GEMM (kernel/cuda/gemm.py) waits whatever the switch says
-ALWAYS_WAITS = r"^gemm_(n\d+_m\d+_w\d+x\d+_s\d+_p\d+|r\d+_s\d+_m\d+)$"
+ALWAYS_WAITS = r"^gemm_n\d+_m\d+_w\d+x\d+_s\d+_p\d+$"
 # the largest product (weight elements) of a model whose decode graphs take programmatic edges: the CUDA GEMM's
 # bound (kernel/cuda/gemm.py's MAX_WEIGHT), measured on the same two models
 MAX_SHORT_PRODUCT = 8 << 20

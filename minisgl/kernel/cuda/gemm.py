@@ -11,7 +11,6 @@ shape the tiles do not divide keeps the split-K Triton GEMM or cuBLAS.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -29,9 +28,7 @@ THREADS = WN * WM * 32
 # product (1-6M elements: a read of 2-13 MB, where a kernel's ramp is a large share) and lost on Llama-3-8B's
 # (17-117M), a decode graph step 1-2% slower there (docs/benchmarks.md, "Products of few rows of our own")
 MAX_WEIGHT = 8 << 20
-KERNEL_PATTERN = (
-    r"gemm_(n\d+_m\d+_w\d+x\d+_s\d+_p\d+|r\d+_s\d+_m\d+)"  # the kernels' names, for engine/graph_edges.py
-)
+KERNEL_PATTERN = r"gemm_n\d+_m\d+_w\d+x\d+_s\d+_p\d+"  # the kernels' names, for engine/graph_edges.py
 
 
 @dataclass(frozen=True)
@@ -94,35 +91,12 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-# experiment (docs/benchmarks.md, "Products of few rows whose weight waits in shared memory", measured, not kept):
-# 1, the products without a residual (q|k|v, gate|up: those a product precedes) by the weight slices; 2, all
-SLICES = int(os.environ.get("MINISGL_GEMM_SLICES", "0"))
-SLICE_ROWS, MAX_SLICE, SLICE_WARPS = 64, 1024, 8
-
-
-def slice_split(k: int) -> int | None:
-    for split in SPLITS[::-1]:
-        if k % (64 * split) == 0 and k // split <= MAX_SLICE:
-            return split
-    return None
-
-
-def slice_name(split: int) -> str:
-    return f"gemm_r{SLICE_ROWS}_s{split}_m16"
-
-
-def slice_shared(ks: int) -> int:
-    stride = (ks + 8) * 2
-    return SLICE_ROWS * stride + 16 * max(stride, SLICE_WARPS * (SLICE_ROWS + 4) * 4)
-
-
 def program() -> str:
     """gemm.cu with a kernel for every split."""
     lines = [source("gemm.cu")]
     for split in SPLITS:
         t = Tiles(split)
         lines.append(f"GEMM_KERNEL({t.name}, {BN}, {BM}, {WN}, {WM}, {split}, {STAGES})")
-        lines.append(f"GEMM_SLICE_KERNEL({slice_name(split)}, {split}, 16)")
     return "\n".join(lines) + "\n"
 
 
@@ -137,7 +111,6 @@ def _module_or_none(index: int) -> CudaModule | None:
     for split in SPLITS:
         t = Tiles(split)
         mod.allow_shared(t.name, t.shared)
-        mod.allow_shared(slice_name(split), slice_shared(MAX_SLICE))
     return mod
 
 
@@ -154,25 +127,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
         y = residual
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    split = slice_split(k)
-    if SLICES and (residual is None or SLICES == 2) and split is not None and n % SLICE_ROWS == 0:
-        ks = k // split
-        res = residual.data_ptr() if residual is not None else 0
-        args = (
-            x.data_ptr(), w.data_ptr(), y.data_ptr(), res, ctypes.c_int32(m), ctypes.c_int32(ks),
-            ctypes.c_int64(x.stride(0)), ctypes.c_int64(w.stride(0)), ctypes.c_int64(y.stride(0)),
-            ctypes.c_int64(y.stride(0)),
-        )  # fmt: skip
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        mod.launch(
-            slice_name(split),
-            (n // SLICE_ROWS * split, 1, 1),
-            SLICE_WARPS * 32,
-            args,
-            stream,
-            slice_shared(ks),
-        )
-        return y
     t = Tiles(choose_split(n, k, _sm_count(index)))
     args = (
         x.data_ptr(), w.data_ptr(), y.data_ptr(), residual.data_ptr() if residual is not None else 0,
