@@ -59,7 +59,8 @@ class _Env:
         self.CACHE_DIR = EnvVar(
             "MINISGL_CACHE_DIR",
             os.path.join(os.path.expanduser("~"), ".cache", "minisgl"),
-            "where converted GGUF checkpoints and the built CPU kernels are kept",
+            "where converted GGUF checkpoints, the built CPU kernels, the CUDA kernels' cubins (NVRTC's) and a CPU "
+            "engine's quantized layers are kept",
         )
         self.CPU_THREADS = EnvVar(
             "MINISGL_CPU_THREADS",
