@@ -18,6 +18,7 @@ import ctypes
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,15 +68,46 @@ def best_configs(sweep: str, rows: int) -> dict[str, Config]:
     }
 
 
+def chain_buffers(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain's buffers at `m` rows: the first hidden rows, the hidden rows, q|k|v's and gate|up's outputs."""
+    dev = torch.device("cuda")
+    h0 = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+    qkv = torch.empty(m, 4096, device=dev, dtype=torch.bfloat16)
+    gu = torch.empty(m, 6144, device=dev, dtype=torch.bfloat16)
+    return h0, h0.clone(), qkv, gu
+
+
+def cublas_layer(h: torch.Tensor, qkv: torch.Tensor, gu: torch.Tensor, lw: dict[str, torch.Tensor]) -> None:
+    """A layer's four products by cuBLAS, attention's and SiLU's outputs stood in for by the products' columns."""
+    torch.mm(h, lw["qkv"].t(), out=qkv)
+    h.addmm_(qkv[:, :2048], lw["o"].t())
+    torch.mm(h, lw["gate_up"].t(), out=gu)
+    h.addmm_(gu[:, :3072], lw["down"].t())
+
+
+def measure_chains(
+    chain: Callable[[str], None], modes: tuple[str, ...], h: torch.Tensor, h0: torch.Tensor, row: dict
+) -> dict:
+    """`row` with each mode's chain checked (run once from h0: the programmatic chain's h equal to the plain
+    chain's bit for bit, the plain chain's against cuBLAS's) and then timed in a CUDA graph (`{mode}_ms`)."""
+    finals = {}
+    for mode in modes:
+        h.copy_(h0)
+        chain(mode)
+        torch.cuda.synchronize()
+        finals[mode] = h.float().clone()
+    row["programmatic_equals_plain"] = torch.equal(finals["plain"], finals["programmatic"])
+    row["rel_err_vs_cublas"] = ((finals["plain"] - finals["cublas"]).norm() / finals["cublas"].norm()).item()
+    for mode in modes:
+        row[f"{mode}_ms"] = graph_ms(lambda mode=mode: chain(mode))
+    return row
+
+
 def run_rows(
     mod: CudaModule, weights: list[dict[str, torch.Tensor]], m: int, plan: dict[str, Config]
 ) -> dict:
     """The three chains at `m` rows: checked, then timed."""
-    dev = torch.device("cuda")
-    h0 = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
-    h = h0.clone()
-    qkv = torch.empty(m, 4096, device=dev, dtype=torch.bfloat16)
-    gu = torch.empty(m, 6144, device=dev, dtype=torch.bfloat16)
+    h0, h, qkv, gu = chain_buffers(m)
 
     def ours(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shape: str, add: bool, pdl: bool) -> None:
         c = plan[shape]
@@ -92,10 +124,7 @@ def run_rows(
     def chain(mode: str) -> None:
         for lw in weights:
             if mode == "cublas":
-                torch.mm(h, lw["qkv"].t(), out=qkv)
-                h.addmm_(qkv[:, :2048], lw["o"].t())
-                torch.mm(h, lw["gate_up"].t(), out=gu)
-                h.addmm_(gu[:, :3072], lw["down"].t())
+                cublas_layer(h, qkv, gu, lw)
             else:
                 pdl = mode == "programmatic"
                 ours(h, lw["qkv"], qkv, "qkv", False, pdl)
@@ -103,18 +132,9 @@ def run_rows(
                 ours(h, lw["gate_up"], gu, "gate_up", False, pdl)
                 ours(gu[:, :3072], lw["down"], h, "down", True, pdl)
 
-    finals = {}
-    for mode in ("cublas", "plain", "programmatic"):
-        h.copy_(h0)
-        chain(mode)
-        torch.cuda.synchronize()
-        finals[mode] = h.float().clone()
-    same = torch.equal(finals["plain"], finals["programmatic"])
-    rel = ((finals["plain"] - finals["cublas"]).norm() / finals["cublas"].norm()).item()
-    row = {"rows": m, "programmatic_equals_plain": same, "rel_err_vs_cublas": rel, "configs": {
-        k: c.name for k, c in plan.items()}}  # fmt: skip
-    for mode in ("cublas", "plain", "programmatic"):
-        row[f"{mode}_ms"] = graph_ms(lambda mode=mode: chain(mode))
+    configs = {k: c.name for k, c in plan.items()}
+    row = measure_chains(chain, ("cublas", "plain", "programmatic"), h, h0, {"rows": m, "configs": configs})
+    same, rel = row["programmatic_equals_plain"], row["rel_err_vs_cublas"]
     print(
         f"rows {m:4d}: a step's products cuBLAS {row['cublas_ms']:.3f} ms, ours {row['plain_ms']:.3f}, "
         f"ours programmatic {row['programmatic_ms']:.3f} (bits equal to plain: {same}; against cuBLAS {rel:.1e})",

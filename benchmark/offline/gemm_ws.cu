@@ -132,34 +132,11 @@ __device__ __forceinline__ void ws_body(const bf16_t* __restrict__ X, const bf16
         cluster_sync();  // every program's block 0 summed (and visible to the cluster)
     else if constexpr (WK > 1)
         __syncthreads();
-    // program `rank` of the cluster writes items rank, rank + SPLIT, ... summed over the ranks in order
+    // program `rank` of the cluster writes items rank, rank + SPLIT, ... (gemm.cu's store_sums8)
     for (int it = rank * THREADS + threadIdx.x; it < ITEMS; it += SPLIT * THREADS) {
         const int tok = it / (R / 8), f = it % (R / 8) * 8;
         if (tok >= rows) continue;
-        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int r = 0; r < SPLIT; ++r) {  // in rank order: the same sum whichever program came last
-            const float* p = part + tok * LD + f;
-            const float4 lo = SPLIT > 1 ? cluster_load(p, r) : *reinterpret_cast<const float4*>(p);
-            const float4 hi = SPLIT > 1 ? cluster_load(p + 4, r) : *reinterpret_cast<const float4*>(p + 4);
-            s[0] += lo.x, s[1] += lo.y, s[2] += lo.z, s[3] += lo.w;
-            s[4] += hi.x, s[5] += hi.y, s[6] += hi.z, s[7] += hi.w;
-        }
-        if (Res != nullptr) {
-            const uint4 rv = *reinterpret_cast<const uint4*>(Res + tok * ldr + n0 + f);
-            const u32 w[4] = {rv.x, rv.y, rv.z, rv.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[2 * e] += bf16_lo(w[e]);
-                s[2 * e + 1] += bf16_hi(w[e]);
-            }
-        }
-        uint4 out;
-        out.x = pack_bf16(s[0], s[1]);
-        out.y = pack_bf16(s[2], s[3]);
-        out.z = pack_bf16(s[4], s[5]);
-        out.w = pack_bf16(s[6], s[7]);
-        *reinterpret_cast<uint4*>(Y + tok * ldy + n0 + f) = out;
+        store_sums8<SPLIT>(part + tok * LD + f, Res, tok * ldr + n0 + f, Y + tok * ldy + n0 + f);
     }
     if constexpr (SPLIT > 1) cluster_sync();  // no program leaves while another still reads its partials
 }

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gemm_pdl import chain_buffers, cublas_layer, measure_chains  # noqa: E402
 from skinny_gemm import graph_ms  # noqa: E402
 
 from minisgl.kernel.cuda import CudaModule, load_module, source  # noqa: E402
@@ -196,12 +197,7 @@ def time_kinds(
 def time_chain(
     mod: CudaModule, weights: list[dict[str, torch.Tensor]], m: int, plan: dict[str, Slice]
 ) -> dict:
-    dev = torch.device("cuda")
-    h0 = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
-    h = h0.clone()
-    qkv = torch.empty(m, 4096, device=dev, dtype=torch.bfloat16)
-    gu = torch.empty(m, 6144, device=dev, dtype=torch.bfloat16)
-
+    h0, h, qkv, gu = chain_buffers(m)
     own = cuda_gemm._module_or_none(0)
 
     def engine_chain() -> None:
@@ -225,10 +221,7 @@ def time_chain(
             return engine_chain()
         for lw in weights:
             if mode == "cublas":
-                torch.mm(h, lw["qkv"].t(), out=qkv)
-                h.addmm_(qkv[:, :2048], lw["o"].t())
-                torch.mm(h, lw["gate_up"].t(), out=gu)
-                h.addmm_(gu[:, :3072], lw["down"].t())
+                cublas_layer(h, qkv, gu, lw)
             else:
                 pdl = mode == "programmatic"
                 launch(mod, plan["qkv"], h, lw["qkv"], qkv, False, pdl)
@@ -236,22 +229,14 @@ def time_chain(
                 launch(mod, plan["gate_up"], h, lw["gate_up"], gu, False, pdl)
                 launch(mod, plan["down"], gu[:, :3072], lw["down"], h, True, pdl)
 
-    finals = {}
+    plan_names = {k: s.name for k, s in plan.items()}
     modes = ("cublas", "engine", "plain", "programmatic")
-    for mode in modes:
-        h.copy_(h0)
-        chain(mode)
-        torch.cuda.synchronize()
-        finals[mode] = h.float().clone()
-    same = torch.equal(finals["plain"], finals["programmatic"])
-    rel = ((finals["plain"] - finals["cublas"]).norm() / finals["cublas"].norm()).item()
-    row = {"rows": m, "programmatic_equals_plain": same, "rel_err_vs_cublas": rel,
-           "plan": {k: s.name for k, s in plan.items()}}  # fmt: skip
-    for mode in modes:
-        row[f"{mode}_ms"] = graph_ms(lambda mode=mode: chain(mode))
+    row = measure_chains(chain, modes, h, h0, {"rows": m, "plan": plan_names})
+    same, rel = row["programmatic_equals_plain"], row["rel_err_vs_cublas"]
     print(
-        f"chain rows {m:4d}: cuBLAS {row['cublas_ms']:.3f} ms, engine {row['engine_ms']:.3f}, slices {row['plain_ms']:.3f}, programmatic "
-        f"{row['programmatic_ms']:.3f} (bits equal to plain: {same}; against cuBLAS {rel:.1e})",
+        f"chain rows {m:4d}: cuBLAS {row['cublas_ms']:.3f} ms, engine {row['engine_ms']:.3f}, slices "
+        f"{row['plain_ms']:.3f}, programmatic {row['programmatic_ms']:.3f} (bits equal to plain: {same}; "
+        f"against cuBLAS {rel:.1e})",
         flush=True,
     )
     return row

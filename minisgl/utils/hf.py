@@ -178,10 +178,7 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any) -> list[int]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
 
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            add(json.load(f).get("eos_token_id"))
+    add(_read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     add(getattr(tokenizer, "eos_token_id", None))
     return ids

@@ -60,6 +60,36 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 
+// 8 outputs of one token: the float32 partial sums at `p` of a cluster's SPLIT programs added in rank order (the same
+// sum whichever program came last), then the residual's 8 values at r + at (r null: none) in float32, the whole
+// rounded once as cuBLAS's addmm (beta 1) rounds it, stored at `y`
+template <int SPLIT>
+__device__ __forceinline__ void store_sums8(const float* p, const bf16_t* r, long long at, bf16_t* y) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int rank = 0; rank < SPLIT; ++rank) {
+        const float4 lo = SPLIT > 1 ? cluster_load(p, rank) : *reinterpret_cast<const float4*>(p);
+        const float4 hi = SPLIT > 1 ? cluster_load(p + 4, rank) : *reinterpret_cast<const float4*>(p + 4);
+        s[0] += lo.x, s[1] += lo.y, s[2] += lo.z, s[3] += lo.w;
+        s[4] += hi.x, s[5] += hi.y, s[6] += hi.z, s[7] += hi.w;
+    }
+    if (r != nullptr) {
+        const uint4 rv = *reinterpret_cast<const uint4*>(r + at);
+        const u32 w[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[2 * e] += bf16_lo(w[e]);
+            s[2 * e + 1] += bf16_hi(w[e]);
+        }
+    }
+    uint4 out;
+    out.x = pack_bf16(s[0], s[1]);
+    out.y = pack_bf16(s[2], s[3]);
+    out.z = pack_bf16(s[4], s[5]);
+    out.w = pack_bf16(s[6], s[7]);
+    *reinterpret_cast<uint4*>(y) = out;
+}
+
 // shared memory word (16 bytes) of row r, word c of a tile of 128-byte rows
 __device__ __forceinline__ int swizzled(int r, int c) { return r * 8 + (c ^ (r & 7)); }
 
@@ -181,31 +211,8 @@ __device__ __forceinline__ void gemm_body(const bf16_t* __restrict__ X, const bf
     for (int it = rank * THREADS + threadIdx.x; it < ITEMS; it += SPLIT * THREADS) {
         const int tok = it / (BN / 8), f = it % (BN / 8) * 8;
         if (m0 + tok >= M) continue;
-        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int r = 0; r < SPLIT; ++r) {  // in rank order: the same sum whichever program came last
-            const float* p = part + tok * LD + f;
-            const float4 lo = SPLIT > 1 ? cluster_load(p, r) : *reinterpret_cast<const float4*>(p);
-            const float4 hi = SPLIT > 1 ? cluster_load(p + 4, r) : *reinterpret_cast<const float4*>(p + 4);
-            s[0] += lo.x, s[1] += lo.y, s[2] += lo.z, s[3] += lo.w;
-            s[4] += hi.x, s[5] += hi.y, s[6] += hi.z, s[7] += hi.w;
-        }
         const long long at = (long long)(m0 + tok);
-        if (R != nullptr) {
-            const uint4 rv = *reinterpret_cast<const uint4*>(R + at * ldr + n0 + f);
-            const u32 w[4] = {rv.x, rv.y, rv.z, rv.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // added in float32 and rounded once, as cuBLAS's addmm (beta 1) does
-                s[2 * e] += bf16_lo(w[e]);
-                s[2 * e + 1] += bf16_hi(w[e]);
-            }
-        }
-        uint4 out;
-        out.x = pack_bf16(s[0], s[1]);
-        out.y = pack_bf16(s[2], s[3]);
-        out.z = pack_bf16(s[4], s[5]);
-        out.w = pack_bf16(s[6], s[7]);
-        *reinterpret_cast<uint4*>(Y + at * ldy + n0 + f) = out;
+        store_sums8<SPLIT>(part + tok * LD + f, R, at * ldr + n0 + f, Y + at * ldy + n0 + f);
     }
     if constexpr (SPLIT > 1) cluster_sync();  // no program leaves while another still reads its partials
 }
