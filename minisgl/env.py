@@ -151,6 +151,14 @@ class _Env:
             "(decode_tc.cu's `_rope` kernels): the rotary kernel's launch a layer goes (faster up to 128 rows on an "
             "H100, slower at 256; docs/benchmarks.md); 0: never",
         )
+        self.FUSED_SAMPLING = EnvVar(
+            "MINISGL_FUSED_SAMPLING",
+            False,
+            "on CUDA with one rank, a decode graph's batch whose rows all sample from the whole vocabulary at a "
+            "temperature or greedily (no filter, penalty, bias, grammar or logprobs) takes the LM head and the "
+            "sampling in one kernel (minisgl/kernel/lm_sample.py): its float32 logits are never written "
+            "(docs/benchmarks.md); 0 (the default until measured): the LM head's product, then the sampling kernel",
+        )
         self.QUANT_CACHE = EnvVar(
             "MINISGL_QUANT_CACHE",
             True,

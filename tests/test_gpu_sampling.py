@@ -215,3 +215,42 @@ def test_eager_decode_batches_after_start_up_compile_no_triton_kernel(
     assert names == [], f"compiled after start-up: {names}"
     assert [len(o["token_ids"]) for o in outs] == [1 + i for i in range(40)]
     llm.check_integrity()
+
+
+def test_the_fused_head_draws_what_the_product_then_the_sampler_draw(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode graphs' plain batches through the fused LM head and sampling (engine/fused_head.py), against
+    the same engine with the LM head's product and the sampling kernel."""
+    folder = tiny_model("qwen3")
+    prompts = random_prompts(16, seed=5, max_len=40)
+    params = [
+        SamplingParams(max_tokens=20, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.7)
+        for i in range(16)
+    ]
+    tokens, fused_steps = {}, 0
+    for fused in (True, False):
+        monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", fused)
+        llm = make_llm(folder, device="cuda", max_running_req=16)
+        head = llm.engine.fused_head
+        assert (head is not None) == fused
+        if head is not None:
+
+            def counted(*args: Any, sample: Callable[..., torch.Tensor] = head.sample) -> torch.Tensor:
+                nonlocal fused_steps
+                fused_steps += 1
+                return sample(*args)
+
+            monkeypatch.setattr(head, "sample", counted)
+        tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, params)]
+        llm.check_integrity()
+        llm.shutdown()
+    assert fused_steps >= 15  # the decode steps after the first took the fused kernel
+    # float32 sums in another order than cuBLAS's: a near tie may go the other way, rarely
+    same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
+    assert same >= 15, (tokens[True], tokens[False])
+    # logprobs need the logits: such a batch takes the product, and its logprobs are the product's
+    monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", True)
+    llm = make_llm(folder, device="cuda", max_running_req=16)
+    out = llm.generate(prompts[:4], [replace(p, logprobs=2) for p in params[:4]])
+    assert all(len(o["logprobs"]) == 20 for o in out)

@@ -15,6 +15,7 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
+from minisgl.engine.fused_head import FusedHead, fused_head_possible, plain_rows
 from minisgl.engine.graph import GraphRunner, graphs_possible
 from minisgl.engine.graph_edges import short_products
 from minisgl.engine.prefill_graph import PrefillGraphRunner
@@ -172,6 +173,12 @@ class Engine:
             self.model.forward, self.device, self.attn_backend, self.tp_info.size
         )
         self._quantize(quantization)
+        self.fused_head: FusedHead | None = None
+        if self.graph_runner.enabled and fused_head_possible(self.model, self.device, self.tp_info.size):
+            # the decode graphs stop at the final norm; the LM head runs after each replay, fused with the
+            # sampling where the batch allows (engine/fused_head.py)
+            self.fused_head = FusedHead(self.model, mc.vocab_size, self.graph_runner.max_bs, self.device)
+            self.graph_runner.forward = self.model.hidden_states
         start = time.perf_counter()
         warm_up(self)
         logger.info_rank0(f"warm-up ran the first steps in {time.perf_counter() - start:.1f} s")
@@ -432,7 +439,20 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, forward_input: ForwardInput) -> ForwardOutput:
         """Run one step: inputs gathered from the token pool, samples written back to it, on the device."""
+        batch = forward_input.batch
+        args = forward_input.sample_args
+        if self.fused_head is not None and self.graph_runner.can_use(batch) and plain_rows(args):
+            hidden = self._replay(batch)[: batch.size]
+            return self._finish(forward_input, self.fused_head.sample(hidden, args), None)
         return self.sample_batch(forward_input, self.forward_model(forward_input))
+
+    def _replay(self, batch: Batch) -> torch.Tensor:
+        """A decode graph's replay: its output buffer (logits, or the final hidden rows where the LM head runs
+        after it), which the next replay overwrites after this step's sampling in stream order."""
+        set_global_ctx(self.ctx)
+        set_tp_info(self.tp_info)
+        with self.ctx.forward_batch(batch):
+            return self.graph_runner.replay(batch)
 
     @torch.inference_mode()
     def forward_model(self, forward_input: ForwardInput) -> torch.Tensor:
@@ -448,9 +468,8 @@ class Engine:
         set_global_ctx(self.ctx)
         set_tp_info(self.tp_info)
         if self.graph_runner.can_use(batch):  # the graph gathers its token ids itself
-            with self.ctx.forward_batch(batch):
-                # the graph's output buffer: the next replay overwrites it, after this step's sampling in stream order
-                return self.graph_runner.replay(batch)
+            out = self._replay(batch)
+            return out if self.fused_head is None else self.fused_head.logits(out)
         batch.input_ids = self.token_pool[forward_input.input_mapping]
         with self.ctx.forward_batch(batch):
             if self.prefill_graphs.can_use(batch):
@@ -466,7 +485,14 @@ class Engine:
         batch, args = forward_input.batch, forward_input.sample_args
         if args.penalty is not None:
             args.penalty.gather(self.token_pool)
-        next_tokens = self.sampler.sample(logits[: batch.size], args)
+        return self._finish(forward_input, self.sampler.sample(logits[: batch.size], args), logits)
+
+    def _finish(
+        self, forward_input: ForwardInput, next_tokens: torch.Tensor, logits: torch.Tensor | None
+    ) -> ForwardOutput:
+        """A step's tokens written back to the token pool and copied to the host, with the logprobs the requests
+        ask for from `logits` (None where no request asks: fused_head.plain_rows)."""
+        batch, args = forward_input.batch, forward_input.sample_args
         if self.tp_info.size > 1:
             import torch.distributed as dist
 
@@ -477,10 +503,12 @@ class Engine:
         non_blocking = self.device.type == "cuda"
         logprobs = None
         if args.top_logprobs is not None:
+            assert logits is not None
             logprobs = self.sampler.logprobs(logits[: batch.size], next_tokens, args.top_logprobs)
             logprobs = logprobs.to("cpu", non_blocking=non_blocking)
         prompt_out = None
         if args.prompt is not None:
+            assert logits is not None
             # the prompt positions' logits follow the last tokens' ones
             first = logits.shape[0] - args.prompt.targets.shape[0]
             prompt_out = prompt_logprobs(logits[first:], args.prompt).to("cpu", non_blocking=non_blocking)

@@ -200,7 +200,9 @@ class GraphRunner:
         self.slots_in_inputs = slots_in_inputs
         self.short_products = short_products  # programmatic edges pay (graph_edges.short_products)
         self.graphs: dict[int, Graph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[
+            int, torch.Tensor
+        ] = {}  # each graph's output buffer: logits, or the final hidden rows
         self.pool: object | None = None  # the captured graphs' memory pool
         self.dummy_req = dummy_req(dummy_table_idx)
 
@@ -242,7 +244,7 @@ class GraphRunner:
                     batch.out_loc = slots
                 self.attn_backend.prepare_for_capture(batch)
                 forward = partial(self._gather_and_forward, batch, rows)
-                graph, self.logits[bs] = capture_forward(forward, batch, pool, stream, self.short_products)
+                graph, self.outputs[bs] = capture_forward(forward, batch, pool, stream, self.short_products)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         self.pool = pool  # the prefill graphs share it
@@ -266,8 +268,8 @@ class GraphRunner:
         self.inputs.load(batch)
         self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
-        return self.logits[bs]
+        return self.outputs[bs]
 
     def destroy(self) -> None:
         self.graphs.clear()
-        self.logits.clear()
+        self.outputs.clear()

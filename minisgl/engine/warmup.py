@@ -23,7 +23,9 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
   eagerly whatever the graphs, at 1 to max_running_req - 1 rows (a prompt takes a row), so one mixed step for
   each decode variant among those counts (`_mixed_decode_sizes`);
 - sampling: greedy, temperature only, and the filtered path (top-k, top-p, min-p thresholds), beside
-  penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too);
+  penalties, logit_bias, min_tokens and logprobs (torch ops, but their first call allocates too); where the
+  decode graphs end at the final norm (engine/fused_head.py), the fused LM head and sampling for each band of
+  batch sizes, and the LM head's product at each graph size;
 - cuBLAS: a product of a row count new to the process costs the host 200-310 us (its kernel chosen) against
   27-36 for a seen one, 25-35 ms for an eager prefill step's 112 (docs/benchmarks.md, "A burst of short
   prompts on a GPU"). Eager prefill steps are padded to a few counts (prefill_graph.rounded_tokens), and the
@@ -221,6 +223,10 @@ def warm_up(engine: Engine) -> None:
         # the prompt first, the decode rows last: Batch.num_decode_rows
         _step(engine, _requests(engine, 3, [SamplingParams()], after=decode) + decode, "prefill")
     _warm_products(engine, _eager_prefill_counts(engine))
+    if engine.fused_head is not None:
+        engine.fused_head.warm(
+            engine.model_config.hidden_size, engine.config.dtype, engine.graph_runner.bs_list
+        )
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     rows = engine.config.max_running_req

@@ -165,6 +165,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self) -> torch.Tensor:
         """Logits of the last position of every request in the batch being forwarded (then, in a prefill,
         of the prompt positions batch.prompt_logit_indices names)."""
+        return self.lm_head(self.hidden_states()).float()
+
+    def hidden_states(self) -> torch.Tensor:
+        """The final hidden rows whose logits `forward` gives: what the LM head multiplies."""
         batch = get_global_ctx().batch
         hidden = self.model(batch.input_ids, batch.positions)
         if batch.is_prefill:
@@ -172,4 +176,4 @@ class LlamaForCausalLM(nn.Module):
             if batch.prompt_logit_indices is not None:
                 rows = torch.cat([rows, batch.prompt_logit_indices])
             hidden = hidden[rows]
-        return self.lm_head(hidden).float()
+        return hidden
