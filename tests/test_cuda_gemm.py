@@ -200,6 +200,7 @@ def test_engine_with_the_gemm_and_its_edges_stays_close_to_transformers(
     monkeypatch.setattr(ENV.GRAPH_PDL, "value", "own")
     monkeypatch.setattr(ENV.GRAPH_PDL_ROWS, "value", 8)
     monkeypatch.setattr(ENV.PDL_KERNELS, "value", level)
+    monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", 0)  # every step's logits, recorded
     calls: list[int] = []
     reports: list[Any] = []
     matmul, make = cuda_gemm.matmul, graph_edges.make_programmatic

@@ -344,7 +344,9 @@ def test_a_shared_prefix_is_computed_once_under_overlap(tiny_model, hf_reference
 
 
 def record_row0_logits(llm: LLM) -> list[torch.Tensor]:
-    """The list every step's logits of the batch's first row will be appended to (float32 copies)."""
+    """The list every step's logits of the batch's first row will be appended to (float32 copies). The engine
+    must be built without the fused LM head and sampling (ENV.FUSED_SAMPLING 0): its steps make no logits."""
+    assert llm.engine.fused_head is None, "build the engine with ENV.FUSED_SAMPLING 0 to record its logits"
     steps: list[torch.Tensor] = []
     sample = llm.engine.sampler.sample
 
@@ -357,9 +359,12 @@ def record_row0_logits(llm: LLM) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_bf16_logits_stay_close_to_transformers(variant: str, tiny_model, hf_reference, make_llm) -> None:
+def test_bf16_logits_stay_close_to_transformers(
+    variant: str, tiny_model, hf_reference, make_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every step within BF16_LOGITS_REL_ERR of transformers' float32 logits, and on average no further from
     them than transformers' own bf16 run is (the tiny models' wide weights make bf16 rounding show)."""
+    monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", 0)  # every step's logits, recorded
     folder = tiny_model(variant)
     llm = gpu_llm(make_llm, folder, dtype=torch.bfloat16)
     steps = record_row0_logits(llm)

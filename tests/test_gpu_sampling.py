@@ -230,7 +230,7 @@ def test_the_fused_head_draws_what_the_product_then_the_sampler_draw(
     ]
     tokens, fused_steps = {}, 0
     for fused in (True, False):
-        monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", fused)
+        monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", 128 if fused else 0)
         llm = make_llm(folder, device="cuda", max_running_req=16)
         head = llm.engine.fused_head
         assert (head is not None) == fused
@@ -250,7 +250,7 @@ def test_the_fused_head_draws_what_the_product_then_the_sampler_draw(
     same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
     assert same >= 15, (tokens[True], tokens[False])
     # logprobs need the logits: such a batch takes the product, and its logprobs are the product's
-    monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", True)
+    monkeypatch.setattr(ENV.FUSED_SAMPLING, "value", 128)
     llm = make_llm(folder, device="cuda", max_running_req=16)
     out = llm.generate(prompts[:4], [replace(p, logprobs=2) for p in params[:4]])
     assert all(len(o["logprobs"]) == 20 for o in out)

@@ -56,8 +56,14 @@ def greedy_run(
     given KV cache."""
     from minisgl import LLM, SamplingParams
     from minisgl.core import ChunkedReq
+    from minisgl.env import ENV
 
-    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, **llm_args)
+    fused = ENV.FUSED_SAMPLING.value
+    ENV.FUSED_SAMPLING.value = 0  # every step's logits are recorded: the fused LM head and sampling make none
+    try:
+        llm = LLM(model, kv_cache_dtype=kv_cache_dtype, **llm_args)
+    finally:
+        ENV.FUSED_SAMPLING.value = fused
     try:
         recorded: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
         forward = llm.engine.forward_model

@@ -150,6 +150,7 @@ def skip_model(engine: Any) -> None:
         return logits[:rows]
 
     engine.forward_model = forward_model
+    engine.fused_head = None  # every step through the stub and the sampler, none through the fused LM head
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import set_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.cpu_compile import CompiledDecode
-from minisgl.engine.fused_head import FusedHead, fused_head_possible, plain_rows
+from minisgl.engine.fused_head import FusedHead, fused_head_possible
 from minisgl.engine.graph import GraphRunner, graphs_possible
 from minisgl.engine.graph_edges import short_products
 from minisgl.engine.prefill_graph import PrefillGraphRunner
@@ -442,7 +442,11 @@ class Engine:
         """Run one step: inputs gathered from the token pool, samples written back to it, on the device."""
         batch = forward_input.batch
         args = forward_input.sample_args
-        if self.fused_head is not None and self.graph_runner.can_use(batch) and plain_rows(args):
+        if (
+            self.fused_head is not None
+            and self.graph_runner.can_use(batch)
+            and self.fused_head.takes(batch.size, args)
+        ):
             hidden = self._replay(batch)[: batch.size]
             return self._finish(forward_input, self.fused_head.sample(hidden, args), None)
         return self.sample_batch(forward_input, self.forward_model(forward_input))

@@ -22,12 +22,12 @@ def fused_head_possible(model: nn.Module, device: torch.device, tp_size: int) ->
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     return (
-        ENV.FUSED_SAMPLING.value
+        ENV.FUSED_SAMPLING.value > 0
         and device.type == "cuda"
         and tp_size == 1
         and weight is not None
         and getattr(head, "qweight", None) is None
-        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and triton_available()
     )
 
@@ -48,15 +48,21 @@ def plain_rows(args: BatchSamplingArgs) -> bool:
 
 
 class FusedHead:
-    """The LM head of a model, fused with the sampling for the decode graphs' plain batches."""
+    """The LM head of a model, fused with the sampling for the decode graphs' plain batches of up to
+    `max_rows` rows (MINISGL_FUSED_SAMPLING)."""
 
     def __init__(self, model: nn.Module, vocab_size: int, max_bs: int, device: torch.device) -> None:
         self.head = model.lm_head
         self.vocab_size = vocab_size
+        self.max_rows = ENV.FUSED_SAMPLING.value
         # an all-greedy batch has no temperatures, seeds or steps on the device: zeros stand in (greedy rows
         # read no noise)
         self.zeros_f = torch.zeros(max(max_bs, 1), dtype=torch.float32, device=device)
         self.zeros_i = torch.zeros(max(max_bs, 1), dtype=torch.int64, device=device)
+
+    def takes(self, bs: int, args: BatchSamplingArgs) -> bool:
+        """Whether a decode graph's batch of `bs` rows with these arguments samples here."""
+        return bs <= self.max_rows and plain_rows(args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's own last step: float32 logits of `hidden`'s rows."""
@@ -86,7 +92,7 @@ class FusedHead:
         device = self.zeros_f.device
         largest = max(graph_sizes)
         hidden = torch.zeros(largest, hidden_width, dtype=dtype, device=device)
-        for bs in sorted({min(b, largest) for b in BANDS}):
+        for bs in sorted({min(b, largest) for b in BANDS if b <= self.max_rows}):
             zf, zi = self.zeros_f[:bs], self.zeros_i[:bs]
             lm_head_sample(hidden[:bs], self.head.weight, self.vocab_size, zf, zi, zi)
         for bs in graph_sizes:
