@@ -3,7 +3,8 @@
 #   tests  its tests, the CUDA products' and the engine's sampling and decode tests (about three minutes)
 #   sweep  its tiles against the engine's two launches (lm_sample.py), Qwen3-0.6B's and Llama-3-8B's vocabularies
 #   bench  fresh processes' first runs of bench.py, the fused head on (up to 128 rows) and off alternating: one
-#          stream of 512 new tokens and 64 streams (ROUNDS), then the upstream workload once each
+#          stream of 512 new tokens and 64 streams (ROUNDS), then the upstream workload (temperature 0.6; top-k 50 /
+#          top-p 0.9, whose filters need the logits) once each
 # Results go to $OUT (or ./out).
 set -uo pipefail
 source benchmark/gpu_env.sh
@@ -38,4 +39,6 @@ if [[ " $modes " == *" bench "* ]]; then
     done
     run 128 bf16
     run 0 bf16
+    run 128 topp --top-k 50 --top-p 0.9
+    run 0 topp --top-k 50 --top-p 0.9
 fi
