@@ -157,7 +157,7 @@ class _Env:
             "on CUDA with one rank, a decode graph's batch of up to this many rows, all sampling from the whole "
             "vocabulary at a temperature or greedily (no filter, penalty, bias, grammar or logprobs), takes the LM "
             "head and the sampling in one kernel (minisgl/kernel/lm_sample.py): its float32 logits are never "
-            "written (on an H100 12-22% less time than the two launches at 1-128 rows, level at 256; "
+            "written (on an H100 12-25% less time than the two launches at 1-128 rows, level at 256; "
             "docs/benchmarks.md); 0: never",
         )
         self.QUANT_CACHE = EnvVar(
