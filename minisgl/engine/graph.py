@@ -200,9 +200,8 @@ class GraphRunner:
         self.slots_in_inputs = slots_in_inputs
         self.short_products = short_products  # programmatic edges pay (graph_edges.short_products)
         self.graphs: dict[int, Graph] = {}
-        self.outputs: dict[
-            int, torch.Tensor
-        ] = {}  # each graph's output buffer: logits, or the final hidden rows
+        # each graph's output buffer: logits, or the final hidden rows where the LM head runs after the replay
+        self.outputs: dict[int, torch.Tensor] = {}
         self.pool: object | None = None  # the captured graphs' memory pool
         self.dummy_req = dummy_req(dummy_table_idx)
 
