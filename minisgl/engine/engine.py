@@ -453,7 +453,8 @@ class Engine:
 
     def _replay(self, batch: Batch) -> torch.Tensor:
         """A decode graph's replay: its output buffer (logits, or the final hidden rows where the LM head runs
-        after it), which the next replay overwrites after this step's sampling in stream order."""
+        after it), which the next replay overwrites after this step's sampling in stream order. The context and
+        rank set are this engine's (globals the layers read), as in forward_model."""
         set_global_ctx(self.ctx)
         set_tp_info(self.tp_info)
         with self.ctx.forward_batch(batch):
@@ -468,13 +469,13 @@ class Engine:
         overlap): the model needs no mask, so it runs while the host fills them.
         """
         batch = forward_input.batch
+        if self.graph_runner.can_use(batch):  # the graph gathers its token ids itself
+            out = self._replay(batch)
+            return out if self.fused_head is None else self.fused_head.logits(out)
         # the layers find the context and the rank set through globals: this engine's, even if another
         # engine was built in the process after it
         set_global_ctx(self.ctx)
         set_tp_info(self.tp_info)
-        if self.graph_runner.can_use(batch):  # the graph gathers its token ids itself
-            out = self._replay(batch)
-            return out if self.fused_head is None else self.fused_head.logits(out)
         batch.input_ids = self.token_pool[forward_input.input_mapping]
         with self.ctx.forward_batch(batch):
             if self.prefill_graphs.can_use(batch):

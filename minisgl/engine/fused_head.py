@@ -52,6 +52,10 @@ class FusedHead:
     `max_rows` rows (MINISGL_FUSED_SAMPLING)."""
 
     def __init__(self, model: nn.Module, vocab_size: int, max_bs: int, device: torch.device) -> None:
+        # imported here, once: the engine builds a FusedHead only where Triton is installed
+        from minisgl.kernel.lm_sample import lm_head_sample
+
+        self.kernel = lm_head_sample
         self.head = model.lm_head
         self.vocab_size = vocab_size
         self.max_rows = ENV.FUSED_SAMPLING.value
@@ -71,21 +75,19 @@ class FusedHead:
     def sample(self, hidden: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """hidden: [B, H] final hidden rows -> the next tokens [B] int32, as the sampler would draw them from
         the logits (for plain_rows batches only)."""
-        from minisgl.kernel.lm_sample import lm_head_sample
-
         bs = hidden.shape[0]
         if args.greedy:
             temps, seeds, steps = self.zeros_f[:bs], self.zeros_i[:bs], self.zeros_i[:bs]
         else:
             assert args.temperatures is not None and args.seeds is not None and args.steps is not None
             temps, seeds, steps = args.temperatures, args.seeds, args.steps
-        return lm_head_sample(hidden, self.head.weight, self.vocab_size, temps, seeds, steps)
+        return self.kernel(hidden, self.head.weight, self.vocab_size, temps, seeds, steps)
 
     def warm(self, hidden_width: int, dtype: torch.dtype, graph_sizes: list[int]) -> None:
         """Compile the fused kernel's variants (one tile a band of batch sizes: lm_sample.default_config), and
         let cuBLAS choose the LM head's product for each graph size, which batches needing logits run after
         the replay (a row count new to a process costs the host a few hundred microseconds once)."""
-        from minisgl.kernel.lm_sample import BANDS, lm_head_sample
+        from minisgl.kernel.lm_sample import BANDS
 
         if not graph_sizes:
             return
@@ -94,6 +96,6 @@ class FusedHead:
         hidden = torch.zeros(largest, hidden_width, dtype=dtype, device=device)
         for bs in sorted({min(b, largest) for b in BANDS if b <= self.max_rows}):
             zf, zi = self.zeros_f[:bs], self.zeros_i[:bs]
-            lm_head_sample(hidden[:bs], self.head.weight, self.vocab_size, zf, zi, zi)
+            self.kernel(hidden[:bs], self.head.weight, self.vocab_size, zf, zi, zi)
         for bs in graph_sizes:
             self.logits(hidden[:bs])
