@@ -151,6 +151,14 @@ class _Env:
             "(decode_tc.cu's `_rope` kernels): the rotary kernel's launch a layer goes (faster up to 128 rows on an "
             "H100, slower at 256; docs/benchmarks.md); 0: never",
         )
+        self.FRESH_PREFILL = EnvVar(
+            "MINISGL_FRESH_PREFILL",
+            -1,
+            "a prefill step whose requests are all fresh (no cached prefix), one of them longer than 128 tokens, takes "
+            "its attention over the step's own q|k|v rows, read by the tensor memory accelerator "
+            "(minisgl/kernel/fresh_attention.py) instead of the extend kernel's gathers through the page table "
+            "(docs/benchmarks.md); -1: on a Hopper GPU or later, 1: wherever the Triton backend runs, 0: never",
+        )
         self.FUSED_SAMPLING = EnvVar(
             "MINISGL_FUSED_SAMPLING",
             128,

@@ -217,6 +217,24 @@ def test_eager_decode_batches_after_start_up_compile_no_triton_kernel(
     llm.check_integrity()
 
 
+def test_bf16_prompts_past_the_short_tiles_after_start_up_compile_no_triton_kernel(
+    tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], overlap_on: None
+) -> None:
+    # eager prefill steps (no prefill graphs) of fresh prompts and of chunks after a cached prefix, each with more
+    # new tokens than the extend kernel's short tiles take: the fresh-prompt kernel and the extend kernel's long
+    # tiles, both compiled by the warm-up
+    llm = make_llm(
+        tiny_model("qwen3"), device="cuda", dtype=torch.bfloat16, max_running_req=8, max_extend_tokens=384,
+        cuda_graph_max_prefill=0,
+    )  # fmt: skip
+    prompts = random_prompts(6, seed=12, min_len=200, max_len=480)
+    with compilations() as names:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert names == [], f"compiled after start-up: {names}"
+    assert [len(o["token_ids"]) for o in outs] == [4] * 6
+    llm.check_integrity()
+
+
 def test_the_fused_head_draws_what_the_product_then_the_sampler_draw(
     tiny_model: Callable[[str], str], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -137,7 +137,14 @@ def test_a_folded_norms_row_scale_is_the_scale_applied_before_the_kernel(
         v_cache = k_cache.clone()
         dest = KVDestination(k_cache, v_cache, loc, *scales)
         apply_rotary(pos, q, k, cos_sin, norms, v=v, dest=dest, split=split, row_scale=row_scale)
-        return [q.float().cpu(), k.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu()]
+        # v last: scaled in place too (a step of fresh prompts attends over q|k|v's rows, not the pool's)
+        return [
+            q.float().cpu(),
+            k.float().cpu(),
+            k_cache.float().cpu(),
+            v_cache.float().cpu(),
+            v.float().cpu(),
+        ]
 
     got = run(qkv, (hidden.to(DEVICE), 1e-6))
     # one program a token (a prefill's many tokens: the row's scale reduced once for q, k and v) or three

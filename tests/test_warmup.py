@@ -217,3 +217,26 @@ def test_the_warm_up_runs_each_projection_of_the_first_layer_at_each_count(
     want = {(name, n, False) for name in projections for n in (16, 48)}
     want |= {(name, n, True) for name in rows for n in (16, 48)}
     assert set(calls) == want and len(calls) == len(want)
+
+
+def test_where_fresh_prompts_take_their_own_kernel_the_warm_up_reaches_both_kernels_long_tiles() -> None:
+    # the longest plain step is fresh then, so a step with a cached prefix compiles the extend kernel's long tiles,
+    # and a fresh prompt of LONG_QUERIES the fresh kernel's, where the budget, the model and the pool allow one
+    from minisgl.kernel import ROWS_WHOLE
+    from minisgl.kernel.fresh_attention import LONG_QUERIES
+
+    def engine(fresh: bool, budget: int, max_seq_len: int = 40960, slots: int = 10**6) -> SimpleNamespace:
+        return SimpleNamespace(
+            attn_backend=SimpleNamespace(fresh_prefill=fresh),
+            config=SimpleNamespace(max_extend_tokens=budget),
+            max_seq_len=max_seq_len,
+            num_pages=slots,
+            page_size=1,
+        )
+
+    prefix = (ROWS_WHOLE, ROWS_WHOLE // 2)
+    assert warmup._attention_steps(engine(False, 8192)) == []  # type: ignore[arg-type]
+    assert warmup._attention_steps(engine(True, 8192)) == [prefix, (LONG_QUERIES, 0)]  # type: ignore[arg-type]
+    assert warmup._attention_steps(engine(True, 4096)) == [prefix]  # type: ignore[arg-type]
+    assert warmup._attention_steps(engine(True, 8192, max_seq_len=4096)) == [prefix]  # type: ignore[arg-type]
+    assert warmup._attention_steps(engine(True, 8192, slots=5000)) == [prefix]  # type: ignore[arg-type]

@@ -8,8 +8,9 @@ workload and its grid of requests of Q new tokens after a cached prefix of P, `q
 (the engine's tiles); each request's context copied out of the pool (`gather`, both K and V) and the slots it needs
 found on the device (`lookup`, once a step); over the copies, cuDNN's flash attention on the packed requests (K/V
 with 8 heads, and repeated to 16) and torch's own flash kernel (`torch_flash`); `copy+torch_flash` both together,
-what an engine path would take; and where the case is one fresh prompt torch's SDPA through its flash and cuDNN
-backends. Printed: ms a layer (roofline.py's bench_ms: the median of 20 between CUDA events), TFLOP/s of the
+what an engine path would take; where every request is fresh, fresh_attention.py's kernel over the copies (as the
+step's own q|k|v rows; `fresh_MxN_Ww_Ss`, the tiles of --fresh-configs); and where the case is one fresh prompt
+torch's SDPA through its flash and cuDNN backends. Printed: ms a layer (roofline.py's bench_ms: the median of 20 between CUDA events), TFLOP/s of the
 causal work, the largest difference from the extend kernel's output.
 """
 
@@ -33,8 +34,11 @@ from extend_sweep import GRID_P, GRID_Q, case  # noqa: E402
 from roofline import bench_ms  # noqa: E402
 
 from minisgl.kernel import attention as attn  # noqa: E402
+from minisgl.kernel import fresh_attention as fa  # noqa: E402
 
 HQ, HK, D = 16, 8, 128
+# fresh_attention.py's tiles timed on fresh cases (the first is the engine's); --fresh-configs replaces them
+FRESH_CONFIGS = [fa.DEFAULT]
 
 
 def context_slots(
@@ -101,6 +105,17 @@ def run_case(name: str) -> dict[str, Any]:
             q, k.index_select(0, slots), v.index_select(0, slots), *packed
         ),
     }
+    if lens == q_lens:  # fresh prompts: the kernel over their own rows, each of the tiles asked for
+        for cfg in FRESH_CONFIGS:
+
+            def fresh_call(cfg: fa.FreshConfig = cfg) -> torch.Tensor:
+                fa.FRESH_CONFIG = cfg
+                try:
+                    return fa.fresh_attention(q, kc, vc, starts, qn, max(q_lens), D**-0.5)
+                finally:
+                    fa.FRESH_CONFIG = None
+
+            calls[f"fresh_{cfg.block_m}x{cfg.block_n}_{cfg.num_warps}w{cfg.num_stages}s"] = fresh_call
     if len(lens) == 1 and lens == q_lens:  # one fresh prompt: SDPA's causal mask is the same
         qs = q.view(1, -1, HQ, D).transpose(1, 2)
         ks = kc.view(1, -1, HK, D).transpose(1, 2)
@@ -138,7 +153,14 @@ def main() -> None:
     grid = [f"q{q}_p{pp}" for pp in GRID_P for q in GRID_Q]
     p.add_argument("--cases", default=",".join(["8k", "32k", "chunk", "workload", *grid]))
     p.add_argument("--json")
+    p.add_argument(
+        "--fresh-configs",
+        default="",
+        help="fresh_attention.py tiles as m,n,warps,stages;... (default: the engine's)",
+    )
     args = p.parse_args()
+    if args.fresh_configs:
+        FRESH_CONFIGS[:] = [fa.FreshConfig(*map(int, c.split(","))) for c in args.fresh_configs.split(";")]
     results: list[dict[str, Any]] = []
     for name in args.cases.split(","):
         row = run_case(name)

@@ -18,7 +18,9 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, DecodeRope, KVDestination
 from minisgl.core import Batch
 from minisgl.env import ENV
+from minisgl.kernel import fresh_attention as fresh
 from minisgl.kernel.attention import (
+    SHORT_QUERIES,
     WIDE_PROGRAMS,
     decode_attention,
     decode_order,
@@ -58,6 +60,8 @@ class TritonAttnMetadata:
     # prefill: a mixed step's decode rows (Batch.num_decode_rows), for the decode kernels; the fields above are then
     # those of the requests before them
     decode: TritonAttnMetadata | None = None
+    # prefill, where the fresh-prompt kernel is on: every request's context is this step's tokens (no cached prefix)
+    fresh: bool = False
 
 
 def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
@@ -81,6 +85,14 @@ def _cuda_decode(kv_cache: MHAKVCache, device: torch.device, group: int | None =
     except CudaUnavailable as e:
         logger.info_rank0(f"decode attention by the Triton kernel only: {e}")
         return None
+
+
+def _fresh_prefill(device: torch.device) -> bool:
+    """Whether prefill steps of fresh prompts take fresh_attention.py's kernel (MINISGL_FRESH_PREFILL)."""
+    mode = int(ENV.FRESH_PREFILL.value)
+    if mode < 0:  # measured on Hopper, where the descriptors' boxes come in through the copy engine
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return mode > 0
 
 
 def _tensor_core_decode(
@@ -139,6 +151,7 @@ class TritonAttnBackend(BaseAttnBackend):
             else _cuda_decode(kv_cache, device, group)
         )
         self.prefill_meta: torch.Tensor | None = None  # [4, max_reqs] static prefill metadata
+        self.fresh_prefill = _fresh_prefill(device)
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -167,7 +180,15 @@ class TritonAttnBackend(BaseAttnBackend):
         )
         packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
         batch.attn_metadata = TritonAttnMetadata(
-            packed, packed[0], packed[1], packed[2], packed[3], max_q_len=max(q_lens), decode=decode
+            packed,
+            packed[0],
+            packed[1],
+            packed[2],
+            packed[3],
+            max_q_len=max(q_lens),
+            decode=decode,
+            # steps of short prompts keep the extend kernel's short tiles (as fast or faster there)
+            fresh=self.fresh_prefill and lens == q_lens and max(q_lens) > SHORT_QUERIES,
         )
 
     def _decode_metadata(self, rows: list[int], lens: list[int]) -> TritonAttnMetadata:
@@ -309,6 +330,12 @@ class TritonAttnBackend(BaseAttnBackend):
             # the decode rows are the packed batch's last tokens, one a request
             tail = self._decode(q[q.shape[0] - decode.rows.shape[0] :], layer_id, batch, meta=decode)
             q = q[: q.shape[0] - decode.rows.shape[0]]
+        if meta.fresh and fresh.takes(q, k, v):
+            # the step's own K/V rows (rotated, and scaled by a folded norm, in place) are the whole context
+            out = fresh.fresh_attention(q, k, v, meta.q_starts, meta.q_lens, meta.max_q_len, self.scale)
+            if tail is not None:
+                out = torch.cat([out, tail.to(out.dtype)])
+            return out.to(out_dtype)
         out = extend_attention(
             q,
             k_cache,

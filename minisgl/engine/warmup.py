@@ -15,6 +15,11 @@ specialises the other arguments on: an integer equal to 1 or divisible by 16, a 
   ROWS_WHOLE tokens (minisgl/kernel/__init__.py) SiLU runs a program a row and the rotary kernel a program a
   token, so one step of that many too; the MoE kernel's row block height follows the tokens per expert,
   so one step per height (`_prefill_lengths`);
+- prefill attention by prompt shape: where steps of fresh prompts take their own kernel (kernel/fresh_attention.py,
+  TritonAttnBackend.fresh_prefill), the long prompts' step above compiles it, so one step with a cached prefix
+  and more than SHORT_QUERIES new tokens compiles the extend kernel's long tiles, and, where the prefill budget and
+  the model's length allow a prompt of LONG_QUERIES tokens, one fresh step that long its own long tiles
+  (`_attention_steps`);
 - the model in decode: each graph batch size is run once before its capture (GraphRunner.capture);
   batches that run eagerly (all of them without graphs, or those above the largest graph) pick the
   attention kernels' tiles, splits and order by their size, so one eager step here runs for each
@@ -74,6 +79,39 @@ def _prefill_lengths(engine: Engine) -> list[int]:
         for per_expert in (17, 65):
             lengths.append(-(-per_expert * mc.num_experts // mc.num_experts_per_tok))
     return lengths
+
+
+def _attention_steps(engine: Engine) -> list[tuple[int, int]]:
+    """(prompt tokens, of which cached) of the steps that reach prefill attention's variants by prompt shape where
+    fresh prompts take their own kernel (`_prefill_lengths`' longest step is then fresh): a cached prefix before
+    more than SHORT_QUERIES new tokens, and a fresh prompt of LONG_QUERIES where the budget and the model allow."""
+    if not getattr(engine.attn_backend, "fresh_prefill", False):
+        return []
+    # imported here: the Triton kernels' modules need Triton, which a CPU install may lack
+    from minisgl.kernel.fresh_attention import LONG_QUERIES
+
+    steps = [(ROWS_WHOLE, ROWS_WHOLE // 2)]
+    budget = getattr(engine.config, "max_extend_tokens", None) or DEFAULT_PREFILL_BUDGET
+    slots = engine.num_pages * engine.page_size
+    if min(budget, engine.max_seq_len - 2, slots - 1) >= LONG_QUERIES:
+        steps.append((LONG_QUERIES, 0))
+    return steps
+
+
+def _warm_attention(engine: Engine) -> None:
+    """The steps of `_attention_steps`, each request's first tokens taken as its cached prefix."""
+    steps = _attention_steps(engine)
+    if not steps:
+        return
+    from minisgl.kernel.attention import SHORT_QUERIES  # needs Triton, as above
+
+    for total, cached in steps:
+        reqs = _requests(engine, total, [SamplingParams()])
+        for r in reqs:  # each keeps more than SHORT_QUERIES new tokens where it can
+            r.cached_len = min(
+                cached * len(r.input_ids) // total, max(0, len(r.input_ids) - SHORT_QUERIES - 1)
+            )
+        _step(engine, reqs, "prefill")
 
 
 def _requests(
@@ -207,6 +245,7 @@ def warm_up(engine: Engine) -> None:
     """Run the warm-up steps through the engine's own prepare and forward, then clear what they wrote."""
     for total in _prefill_lengths(engine):
         _step(engine, _requests(engine, total, [SamplingParams()]), "prefill")
+    _warm_attention(engine)
     temperature_only = _requests(engine, 40, [SamplingParams(temperature=0.7)] * 3)
     _step(engine, temperature_only, "prefill")
     mixed = _requests(engine, 40, MIXED)

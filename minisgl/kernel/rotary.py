@@ -165,6 +165,9 @@ def _rope_kernel(
                 scale = row_inv_rms(S, t, stride_s, s_eps, S_N, S_BLOCK)
             v1 = (v1.to(tl.float32) * scale).to(v1.dtype)
             v2 = (v2.to(tl.float32) * scale).to(v2.dtype)
+            # and in place, as q and k are: a step of fresh prompts attends over these rows, not the pool's
+            tl.store(src, v1, mask=mask)
+            tl.store(src + HALF, v2, mask=mask)
         tl.store(VCache + dst, to_pool(v1, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
         tl.store(VCache + dst + HALF, to_pool(v2, VScale, VCache, FP8, FP8_LIMIT), mask=mask)
 
@@ -190,7 +193,7 @@ def apply_rotary(
     by side), one from there (a prefill: enough programs anyway, and a row scale reduced once a token).
     With row_scale = (hidden states [T, N], eps), q, k and v are first multiplied by each row's 1 / rms(hidden):
     the norm before the projection, its weight folded into the projection (models/llama.py's `fold_norms`);
-    v is scaled where it is stored, so row_scale needs dest.
+    v is scaled by the program that stores it (in place too), so row_scale needs dest.
     """
     t, hq, d = q.shape
     hk = k.shape[1]
