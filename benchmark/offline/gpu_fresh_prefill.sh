@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Attention of fresh prompts over their own rows (kernel/fresh_attention.py, MINISGL_FRESH_PREFILL) on one Hopper
-# GPU. Sections, in the order given (default: all): tests (the kernel's and the CUDA engine's with it on), kernel
+# GPU (carry ./.whl from benchmark/gpu_wheels.sh for the tests). Sections, in the order given (default: all): tests
+# (the kernel's and the CUDA engine's with it on, the warm-up's no-compile checks among them), kernel
 # (extend_flash.py's fresh cases, the extend kernel, torch's kernels and the fresh kernel's tiles), ttft (a long
 # prompt's first token, off then on, fresh processes), bench (the upstream workload, off and on alternating, fresh
 # processes' first runs, bf16 then the FP8 cache). Results go to $OUT (or ./out).
@@ -15,7 +16,8 @@ for section in ${@:-tests kernel ttft bench}; do
         timeout 400 python -m pytest -q -rfs -p no:cacheprovider tests/test_fresh_attention.py tests/test_rotary_store.py \
             2>&1 | tee "$OUT/tests_fresh_kernel.log" | tail -3
         timeout 400 python -m pytest -q -rfs -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_fp8_kv.py \
-            tests/test_prefill_graph.py tests/test_mixed_chunk.py -k "not moe" 2>&1 | tee "$OUT/tests_fresh_engine.log" | tail -3
+            tests/test_prefill_graph.py tests/test_mixed_chunk.py tests/test_gpu_sampling.py -k "not moe" 2>&1 |
+            tee "$OUT/tests_fresh_engine.log" | tail -3
         ;;
     kernel)
         timeout 300 python benchmark/offline/extend_flash.py --cases ${CASES:-8k,32k,workload,q16_p0,q128_p0,q512_p0} \
