@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from interpreter import CUDA, DEVICE
 from tiny import assert_nothing_held, random_prompts
 
+from minisgl.attention import triton_backend
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
 from minisgl.kernel import fresh_attention as fresh_module
@@ -112,9 +113,19 @@ def test_the_engine_gives_the_same_tokens_with_the_fresh_prompt_kernel_and_witho
         return fresh_attention(*args)
 
     monkeypatch.setattr(fresh_module, "fresh_attention", counted)
+    into = []  # the extend kernel's calls: whether each wrote into the fresh kernel's output (a step split in two)
+
+    def extend_counted(*args: object, out: torch.Tensor | None = None) -> torch.Tensor:
+        into.append(out is not None)
+        return extend_attention(*args, out=out)
+
+    monkeypatch.setattr(triton_backend, "extend_attention", extend_counted)
     folder = tiny_model("qwen3")
-    # longer than the extend kernel's short prompts (SHORT_QUERIES), which keep it
-    prompts = random_prompts(3, seed=8, min_len=SHORT_QUERIES + 1, max_len=SHORT_QUERIES + 60)
+    # a budget of 320 tokens a step: the first prompt and 20 tokens of the second (both fresh), then the second's
+    # other 180 (after a cached prefix) beside the third's first 140 (fresh, longer than the extend kernel's short
+    # prompts, SHORT_QUERIES), then the third's last 60
+    prompts = [p[:n] for p, n in zip(random_prompts(3, seed=8, min_len=300, max_len=300), [300, 200, 200])]
+    assert 140 > SHORT_QUERIES
     llm = LLM(folder, dtype=torch.float32, max_running_req=4, max_extend_tokens=320, cache_type="naive")
     try:
         out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -122,5 +133,60 @@ def test_the_engine_gives_the_same_tokens_with_the_fresh_prompt_kernel_and_witho
         assert_nothing_held(llm)
     finally:
         llm.shutdown()
-    # on: the first step's fresh prompts took it (a layer a call), the steps with a cached prefix did not
+    # on: the fresh prompts and first chunks took it (a layer a call), and a step that also continues a prompt cut
+    # into chunks sent that one to the extend kernel, into the same output; off: the extend kernel alone
     assert (len(calls) > 0) == fresh, calls
+    assert any(into) == fresh and not all(into), into
+
+
+@pytest.mark.parametrize("fresh_prompts", [(0, 2, 3), (1,), (0, 1, 2, 3, 4), ()])
+def test_a_prefill_steps_metadata_gives_the_fresh_requests_to_their_kernel_and_the_others_to_the_extend_kernel(
+    fresh_prompts: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from minisgl.core import Batch, Req
+
+    monkeypatch.setattr(ENV.FRESH_PREFILL, "value", 1)
+    monkeypatch.setattr(ENV.DECODE_CUDA, "value", False)
+    pool = SimpleNamespace(head_dim=64, dtype=torch.float32, num_layers=0)
+    backend = triton_backend.TritonAttnBackend(pool, torch.zeros(8, 600), torch.device("cpu"))  # type: ignore[arg-type]
+    assert backend.fresh_prefill
+    lengths = [300, 20, 150, 5, 200]
+    reqs = [
+        Req(
+            input_ids=[1] * n,
+            table_idx=i + 2,
+            cached_len=0 if i in fresh_prompts else n // 2,
+            output_len=1,
+            uid=i,
+            sampling_params=SamplingParams(),
+            cache_handle=None,
+            seed=i,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    batch = Batch(reqs=reqs, phase="prefill")
+    backend.prepare_metadata(batch)
+    meta = batch.attn_metadata
+    q_lens = [r.extend_len for r in reqs]
+    starts = [sum(q_lens[:i]) for i in range(len(reqs))]
+    # every request's four fields, as a prefill graph's replay copies them
+    assert meta.packed.tolist() == [[r.table_idx for r in reqs], lengths, starts, q_lens]
+    cached = [i for i in range(len(reqs)) if i not in fresh_prompts]
+    if not fresh_prompts or max(lengths[i] for i in fresh_prompts) <= SHORT_QUERIES:
+        assert meta.fresh is None  # no fresh request, or only short ones: the extend kernel takes the step
+        return
+    split = meta.fresh
+    assert split.q_starts.tolist() == [starts[i] for i in fresh_prompts]
+    assert split.q_lens.tolist() == [q_lens[i] for i in fresh_prompts]
+    assert split.max_q_len == max(q_lens[i] for i in fresh_prompts)
+    if not cached:
+        assert split.cached is None
+        return
+    rest = split.cached
+    assert rest.rows.tolist() == [reqs[i].table_idx for i in cached]
+    assert rest.seq_lens.tolist() == [lengths[i] for i in cached]
+    assert rest.q_starts.tolist() == [starts[i] for i in cached]
+    assert rest.q_lens.tolist() == [q_lens[i] for i in cached]
+    assert rest.max_q_len == max(q_lens[i] for i in cached)
