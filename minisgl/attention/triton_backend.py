@@ -60,19 +60,8 @@ class TritonAttnMetadata:
     # prefill: a mixed step's decode rows (Batch.num_decode_rows), for the decode kernels; the fields above are then
     # those of the requests before them
     decode: TritonAttnMetadata | None = None
-    # prefill, where the fresh-prompt kernel is on and takes some of the step's requests: those, and the others
-    fresh: FreshSplit | None = None
-
-
-@dataclass
-class FreshSplit:
-    """A prefill step's requests whose whole context is this step's tokens (no cached prefix), for the fresh-prompt
-    kernel (kernel/fresh_attention.py), and the step's other requests, for the extend kernel."""
-
-    q_starts: torch.Tensor  # [F] packed index of each fresh request's first query
-    q_lens: torch.Tensor  # [F] its queries (its whole prompt, or its first chunk)
-    max_q_len: int
-    cached: TritonAttnMetadata | None  # the requests after a cached prefix; None: there are none
+    # prefill, where the fresh-prompt kernel is on: every request's context is this step's tokens (no cached prefix)
+    fresh: bool = False
 
 
 def _cuda_decode_wanted(kv_cache: MHAKVCache, device: torch.device) -> bool:
@@ -179,43 +168,28 @@ class TritonAttnBackend(BaseAttnBackend):
             split = len(reqs) - decoding
             decode = self._decode_metadata(rows[split:], lens[split:])
             reqs, rows, lens = reqs[:split], rows[:split], lens[:split]
+        pad = [0] * (-len(reqs) % 4)  # as _decode_metadata pads
         q_lens = [r.extend_len for r in reqs]
         q_starts, total = [], 0
         for n in q_lens:
             q_starts.append(total)
             total += n
-        # every request's fields (a prefill graph's replay copies them whole), then where the fresh-prompt kernel
-        # takes some: the fresh ones' starts and lengths and the others' four fields; rows of each padded to 4
-        # ints, as _decode_metadata pads; one copy for all
-        groups = [[rows, lens, q_starts, q_lens]]
-        fresh = [i for i, (n, q) in enumerate(zip(lens, q_lens)) if n == q] if self.fresh_prefill else []
-        # steps of short prompts keep the extend kernel's short tiles (as fast or faster there)
-        if fresh and max(q_lens[i] for i in fresh) > SHORT_QUERIES:
-            cached = [i for i, (n, q) in enumerate(zip(lens, q_lens)) if n != q]
-            groups.append([[q_starts[i] for i in fresh], [q_lens[i] for i in fresh]])
-            groups.append([[f[i] for i in cached] for f in groups[0]])
-        flat: list[int] = []
-        for fields in groups:
-            for f in fields:
-                flat += f + [0] * (-len(f) % 4)
-        views = iter(
-            torch.tensor(flat, dtype=torch.int32, pin_memory=pin(self.device))
-            .to(self.device, non_blocking=True)
-            .split([len(fields) * (len(fields[0]) + -len(fields[0]) % 4) for fields in groups])
+        host = torch.tensor(
+            [rows + pad, lens + pad, q_starts + pad, q_lens + pad],
+            dtype=torch.int32,
+            pin_memory=pin(self.device),
         )
-        packed = next(views).view(4, -1)[:, : len(reqs)]
-        split = None
-        if len(groups) > 1:
-            fresh_fields = next(views).view(2, -1)[:, : len(fresh)]
-            rest = next(views).view(4, -1)[:, : len(cached)]
-            split = FreshSplit(
-                fresh_fields[0],
-                fresh_fields[1],
-                max(q_lens[i] for i in fresh),
-                TritonAttnMetadata(rest, *rest, max_q_len=max(q_lens[i] for i in cached)) if cached else None,
-            )
+        packed = host.to(self.device, non_blocking=True)[:, : len(reqs)]
         batch.attn_metadata = TritonAttnMetadata(
-            packed, *packed, max_q_len=max(q_lens), decode=decode, fresh=split
+            packed,
+            packed[0],
+            packed[1],
+            packed[2],
+            packed[3],
+            max_q_len=max(q_lens),
+            decode=decode,
+            # steps of short prompts keep the extend kernel's short tiles (as fast or faster there)
+            fresh=self.fresh_prefill and lens == q_lens and max(q_lens) > SHORT_QUERIES,
         )
 
     def _decode_metadata(self, rows: list[int], lens: list[int]) -> TritonAttnMetadata:
@@ -357,31 +331,26 @@ class TritonAttnBackend(BaseAttnBackend):
             # the decode rows are the packed batch's last tokens, one a request
             tail = self._decode(q[q.shape[0] - decode.rows.shape[0] :], layer_id, batch, meta=decode)
             q = q[: q.shape[0] - decode.rows.shape[0]]
-        split = meta.fresh
-        paged = meta
-        out = None
-        if split is not None and fresh.takes(q, k, v):
-            # the fresh requests' own K/V rows (rotated, and scaled by a folded norm, in place) are their whole
-            # context; the requests after a cached prefix read theirs from the pool, into the same output
-            out = fresh.fresh_attention(q, k, v, split.q_starts, split.q_lens, split.max_q_len, self.scale)
-            paged = split.cached
-        if paged is not None:
-            out = extend_attention(
-                q,
-                k_cache,
-                v_cache,
-                self.page_table,
-                paged.rows,
-                paged.seq_lens,
-                paged.q_starts,
-                paged.q_lens,
-                paged.max_q_len,
-                self.scale,
-                k_scale,
-                v_scale,
-                out=out,
-            )
-        assert out is not None  # the fresh kernel's, the extend kernel's, or both
+        if meta.fresh and fresh.takes(q, k, v):
+            # the step's own K/V rows (rotated, and scaled by a folded norm, in place) are the whole context
+            out = fresh.fresh_attention(q, k, v, meta.q_starts, meta.q_lens, meta.max_q_len, self.scale)
+            if tail is not None:
+                out = torch.cat([out, tail.to(out.dtype)])
+            return out.to(out_dtype)
+        out = extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.page_table,
+            meta.rows,
+            meta.seq_lens,
+            meta.q_starts,
+            meta.q_lens,
+            meta.max_q_len,
+            self.scale,
+            k_scale,
+            v_scale,
+        )
         if tail is not None:
             out = torch.cat([out, tail.to(out.dtype)])
         return out.to(out_dtype)

@@ -649,20 +649,17 @@ def extend_attention(
     sm_scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their request's whole context (cached prefix + this step).
 
     q: [T, Hq, D] packed by request; this step's K/V must already be in the pool. -> [T, Hq, D]
-    An FP8 pool is read as in decode_attention. With `out` ([T, Hq, D], q's dtype), the requests' rows are
-    written there and its other rows left as they are (another kernel's requests of the same step).
+    An FP8 pool is read as in decode_attention.
     """
     fp8 = check_fp8_pool(k_cache, k_scale, v_scale)
     t, hq, d = q.shape
     hk = k_cache.shape[1]
     bs = rows.shape[0]
-    if out is None:
-        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     block_d = max(16, next_pow2(d))  # tl.dot wants K >= 16
