@@ -10,8 +10,8 @@ found on the device (`lookup`, once a step); over the copies, cuDNN's flash atte
 with 8 heads, and repeated to 16) and torch's own flash kernel (`torch_flash`); `copy+torch_flash` both together,
 what an engine path would take; where every request is fresh, fresh_attention.py's kernel over the copies (as the
 step's own q|k|v rows; `fresh_MxN_Ww_Ss`, the tiles of --fresh-configs); and where the case is one fresh prompt
-torch's SDPA through its flash and cuDNN backends. Printed: ms a layer (roofline.py's bench_ms: the median of 20 between CUDA events), TFLOP/s of the
-causal work, the largest difference from the extend kernel's output.
+torch's SDPA through its flash and cuDNN backends. Printed: ms a layer (roofline.py's bench_ms: the median of 20
+between CUDA events), TFLOP/s of the causal work, the largest difference from the extend kernel's output.
 """
 
 from __future__ import annotations
