@@ -228,7 +228,7 @@ def test_where_fresh_prompts_take_their_own_kernel_the_warm_up_reaches_both_kern
     def engine(fresh: bool, budget: int, max_seq_len: int = 40960, slots: int = 10**6) -> SimpleNamespace:
         return SimpleNamespace(
             attn_backend=SimpleNamespace(fresh_prefill=fresh),
-            config=SimpleNamespace(max_extend_tokens=budget),
+            config=SimpleNamespace(max_extend_tokens=budget, max_running_req=256),
             max_seq_len=max_seq_len,
             num_pages=slots,
             page_size=1,
@@ -240,3 +240,6 @@ def test_where_fresh_prompts_take_their_own_kernel_the_warm_up_reaches_both_kern
     assert warmup._attention_steps(engine(True, 4096)) == [prefix]  # type: ignore[arg-type]
     assert warmup._attention_steps(engine(True, 8192, max_seq_len=4096)) == [prefix]  # type: ignore[arg-type]
     assert warmup._attention_steps(engine(True, 8192, slots=5000)) == [prefix]  # type: ignore[arg-type]
+    # the pool holds the prompt only beside a free slot for each of the 256 table rows
+    assert warmup._attention_steps(engine(True, 8192, slots=8193)) == [prefix]  # type: ignore[arg-type]
+    assert warmup._attention_steps(engine(True, 8192, slots=8448)) == [prefix, (LONG_QUERIES, 0)]  # type: ignore[arg-type]

@@ -92,8 +92,9 @@ def _attention_steps(engine: Engine) -> list[tuple[int, int]]:
 
     steps = [(ROWS_WHOLE, ROWS_WHOLE // 2)]
     budget = getattr(engine.config, "max_extend_tokens", None) or DEFAULT_PREFILL_BUDGET
-    slots = engine.num_pages * engine.page_size
-    if min(budget, engine.max_seq_len - 2, slots - 1) >= LONG_QUERIES:
+    # `_requests` keeps a slot a table row free for the decode step: a prompt that long must fit beside them
+    slots = engine.num_pages * engine.page_size - engine.config.max_running_req
+    if min(budget, engine.max_seq_len - 2, slots) >= LONG_QUERIES:
         steps.append((LONG_QUERIES, 0))
     return steps
 
